@@ -1,0 +1,140 @@
+"""
+Producer-side flow control, so that a backlog never overflows a healthy watcher.
+
+The manager has no back-pressure: it pulls from ``open_stream`` without waiting and force-fails a
+watcher whose queue (``[triggerer] shared_stream_subscriber_queue_size``) is full. A producer that
+reads a backlog at broker speed therefore overflows every watcher whose filter is slower than a
+batch fetch (the real triggerer logs every event through a thread executor).
+
+Invariant kept here: for every registered watcher ``w``, ``produced - consumed[w] <= window``,
+where ``consumed[w]`` is the ``seq`` of the last message ``w`` pulled. Every message a watcher has
+not pulled yet sits in its queue, so its queue never holds more than ``window`` messages, and
+``window`` is below the configured queue size.
+
+Registration is atomic with the manager's ``subscribe``: the runner calls ``subscribe`` and then
+starts ``filter_shared_stream`` with no ``await`` in between, and our filter registers before its
+first ``await``. So no watcher can receive a message the gate did not count.
+
+A second, independent bound caps messages in flight (yielded but not yet advanced), which bounds
+memory and the number of leases a producer keeps alive.
+
+One :class:`FlowGate` exists per shared-stream key per process, shared by the producer and the
+watchers through :data:`gates` (the manager gives neither side a handle on the other).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Hashable
+
+
+class FlowGate:
+    """Credit between one producer and the watchers of its shared stream."""
+
+    def __init__(self) -> None:
+        self.window: int = 1024
+        self.max_in_flight: int = 10_000
+        self._produced = 0
+        self._advanced = 0
+        self._consumed: dict[int, int] = {}
+        # Cached minimum of ``_consumed`` (or ``_produced`` with no watcher); recomputed only when
+        # the cheap check fails, so the per-message cost is O(1) and not O(watchers).
+        self._floor = 0
+        self._wakeup: asyncio.Event | None = None
+        self._blocked = False
+        self.refs = 0
+
+    # -- producer side -------------------------------------------------------------------------
+    @property
+    def produced(self) -> int:
+        return self._produced
+
+    @property
+    def in_flight(self) -> int:
+        return self._produced - self._advanced
+
+    def lag(self) -> int:
+        """How far the slowest registered watcher is behind the producer."""
+        return self._produced - self._recompute_floor()
+
+    def next_seq(self) -> int:
+        """Account for one message about to be yielded; returns its ``seq``."""
+        self._produced += 1
+        return self._produced
+
+    def credit(self) -> int:
+        """How many messages may be yielded now without waiting (0 when blocked)."""
+        by_lag = self.window - (self._produced - self._floor)
+        if by_lag <= 0:
+            by_lag = self.window - (self._produced - self._recompute_floor())
+        by_flight = self.max_in_flight - self.in_flight
+        return max(0, min(by_lag, by_flight))
+
+    async def wait_for_credit(self) -> int:
+        """Wait until at least one message may be yielded; return the available credit."""
+        while True:
+            available = self.credit()
+            if available > 0:
+                return available
+            if self._wakeup is None:
+                self._wakeup = asyncio.Event()
+            self._wakeup.clear()
+            self._blocked = True
+            try:
+                await self._wakeup.wait()
+            finally:
+                self._blocked = False
+
+    def advanced(self, count: int) -> None:
+        """``count`` messages left flight (advanced on the broker, or abandoned)."""
+        self._advanced += count
+        self._wake()
+
+    # -- watcher side --------------------------------------------------------------------------
+    def register(self, token: int) -> None:
+        """A watcher joins: it will receive messages produced from now on."""
+        self._consumed[token] = self._produced
+
+    def unregister(self, token: int) -> None:
+        if self._consumed.pop(token, None) is not None:
+            self._wake()
+
+    def consumed(self, token: int, seq: int) -> None:
+        """A watcher pulled message ``seq`` from its queue."""
+        self._consumed[token] = seq
+        if self._blocked:
+            self._wake()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _recompute_floor(self) -> int:
+        self._floor = min(self._consumed.values()) if self._consumed else self._produced
+        return self._floor
+
+    def _wake(self) -> None:
+        if self._blocked and self._wakeup is not None:
+            self._wakeup.set()
+
+
+class _GateRegistry:
+    """Process-wide ``shared_stream_key -> FlowGate``, reference counted."""
+
+    def __init__(self) -> None:
+        self._gates: dict[Hashable, FlowGate] = {}
+
+    def acquire(self, key: Hashable) -> FlowGate:
+        gate = self._gates.get(key)
+        if gate is None:
+            gate = self._gates[key] = FlowGate()
+        gate.refs += 1
+        return gate
+
+    def release(self, key: Hashable, gate: FlowGate) -> None:
+        gate.refs -= 1
+        if gate.refs <= 0 and self._gates.get(key) is gate:
+            del self._gates[key]
+
+    def peek(self, key: Hashable) -> FlowGate | None:
+        return self._gates.get(key)
+
+
+gates = _GateRegistry()

@@ -1,0 +1,190 @@
+"""
+The base of every broker producer: flow control, dispositions, counters, lifecycle.
+
+A broker producer subclasses :class:`SharedStreamProducerBase` and writes three things:
+``open_stream`` (connect, receive, and for each message ``yield self.emit(...)``), ``_apply``
+(what COMMIT / DEAD_LETTER / REDELIVER / HOLD mean on its broker) and ``_close``.
+Everything else (the outcome -> disposition mapping, the poison cap, the credit that keeps watcher
+queues from overflowing, counters and metrics) is here, once.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+from airflow.triggers.shared_stream import AdvanceItem, SharedStreamProducer
+
+from airflow_shared_stream_provider._core.dispositions import Decision, Disposition, decide
+from airflow_shared_stream_provider._core.envelope import BrokerName, StreamMessage, build_envelope
+from airflow_shared_stream_provider._core.flow import FlowGate, gates
+from airflow_shared_stream_provider._core.metrics import StreamCounters
+from airflow_shared_stream_provider._core.settings import StreamSettings
+
+DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_ACK_TIMEOUT = 300.0
+
+
+@dataclass(slots=True)
+class Delivery:
+    """What ``advance`` needs of one message: every broker payload extends this."""
+
+    message: StreamMessage
+    delivery_attempt: int
+
+
+SettingsT = TypeVar("SettingsT", bound=StreamSettings)
+DeliveryT = TypeVar("DeliveryT", bound=Delivery)
+
+
+@dataclass(frozen=True, slots=True)
+class Decided(Generic[DeliveryT]):
+    delivery: DeliveryT
+    decision: Decision
+
+    @property
+    def disposition(self) -> Disposition:
+        return self.decision.disposition
+
+
+def triggerer_limits() -> tuple[int, float]:
+    """``(shared_stream_subscriber_queue_size, shared_stream_ack_timeout)`` from Airflow config."""
+    from airflow.configuration import conf
+
+    queue_size = conf.getint("triggerer", "shared_stream_subscriber_queue_size", fallback=DEFAULT_QUEUE_SIZE)
+    ack_timeout = conf.getfloat("triggerer", "shared_stream_ack_timeout", fallback=DEFAULT_ACK_TIMEOUT)
+    return queue_size, ack_timeout
+
+
+def flow_window(queue_size: int) -> int:
+    """Most messages a watcher may have queued: the queue size less a 1/16 margin."""
+    return max(1, queue_size - max(1, queue_size // 16))
+
+
+class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT, DeliveryT]):
+    broker: ClassVar[BrokerName]
+
+    def __init__(self, settings: SettingsT, *, stream_key: Hashable) -> None:
+        self.settings = settings
+        self.stream_key = stream_key
+        self.log = logging.getLogger(f"{type(self).__module__}.{type(self).__name__}")
+        self.counters = StreamCounters(self.broker, self.source_label())
+        self.queue_size, self.ack_timeout = triggerer_limits()
+        self._gate: FlowGate | None = None
+        self._in_flight = 0
+        self._closed = False
+
+    # -- for subclasses ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def source_label(self) -> str:
+        """Human-readable stream identity (topic list, queue URL, subscription path)."""
+
+    @abc.abstractmethod
+    async def _apply(self, decided: Sequence[Decided[DeliveryT]]) -> None:
+        """Carry out the dispositions of one lane's batch on the broker, in order."""
+
+    @abc.abstractmethod
+    async def _close(self) -> None:
+        """Release broker clients (best-effort)."""
+
+    @property
+    def gate(self) -> FlowGate:
+        if self._gate is None:
+            gate = gates.acquire(self.stream_key)
+            gate.window = flow_window(self.queue_size)
+            gate.max_in_flight = self.settings.max_in_flight
+            self._gate = gate
+        return self._gate
+
+    async def wait_for_credit(self) -> int:
+        """Wait until at least one message may be yielded; return how many may be."""
+        return await self.gate.wait_for_credit()
+
+    def envelope(
+        self,
+        *,
+        source: str,
+        message_id: str,
+        body: bytes | str | None,
+        attributes: dict[str, str],
+        published_at: str | None,
+        delivery_attempt: int,
+        metadata: dict[str, Any],
+    ) -> tuple[dict[str, Any], str | None]:
+        return build_envelope(
+            broker=self.broker,
+            source=source,
+            message_id=message_id,
+            body=body,
+            attributes=attributes,
+            published_at=published_at,
+            delivery_attempt=delivery_attempt,
+            metadata=metadata,
+            max_payload_bytes=self.settings.max_payload_bytes,
+            oversize_policy=self.settings.oversize_policy,
+        )
+
+    def stream_message(self, envelope: dict[str, Any], forced_rejection: str | None) -> StreamMessage:
+        """
+        Wrap an envelope for broadcast. Call immediately before ``yield`` (no await in between):
+        the seq taken here must reach the watchers' queues in the same step.
+        """
+        self._in_flight += 1
+        return StreamMessage(envelope=envelope, seq=self.gate.next_seq(), forced_rejection=forced_rejection)
+
+    # -- SharedStreamProducer ------------------------------------------------------------------
+    async def advance(self, batch: Sequence[AdvanceItem]) -> None:
+        max_attempts = self.settings.max_delivery_attempts
+        decided: list[Decided[DeliveryT]] = []
+        for item in batch:
+            delivery: DeliveryT = item.broker_payload
+            decision = decide(
+                item.outcome,
+                delivery_attempt=delivery.delivery_attempt,
+                max_delivery_attempts=max_attempts,
+                rejections=delivery.message.rejections,
+            )
+            decided.append(Decided(delivery, decision))
+        try:
+            await self._apply(decided)
+        finally:
+            # Whatever _apply did, these messages left the manager: give the credit back.
+            self._in_flight -= len(batch)
+            self.gate.advanced(len(batch))
+        self._count(batch, decided)
+
+    def _count(self, batch: Sequence[AdvanceItem], decided: Sequence[Decided[DeliveryT]]) -> None:
+        tally = {disposition: 0 for disposition in Disposition}
+        rejected = poison = 0
+        for item, entry in zip(batch, decided, strict=True):
+            tally[entry.disposition] += 1
+            if item.outcome.rejected:
+                rejected += 1
+            elif entry.disposition is Disposition.DEAD_LETTER:
+                poison += 1
+        counters = self.counters
+        counters.add("advanced", len(batch))
+        counters.add("committed", tally[Disposition.COMMIT])
+        counters.add("dead_lettered", tally[Disposition.DEAD_LETTER])
+        counters.add("redelivered", tally[Disposition.REDELIVER])
+        counters.add("held", tally[Disposition.HOLD])
+        counters.add("rejected", rejected)
+        counters.add("poison", poison)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._close()
+        finally:
+            gate, self._gate = self._gate, None
+            if gate is not None:
+                # Messages still in flight are abandoned to broker redelivery; discharge them so
+                # a later producer on the same gate starts with full credit.
+                gate.advanced(self._in_flight)
+                self._in_flight = 0
+                gates.release(self.stream_key, gate)

@@ -1,0 +1,88 @@
+"""
+Producer settings: the single source of a shared stream's key.
+
+Each broker declares one frozen dataclass holding **every** value its producer reads. The trigger
+builds it from its arguments, ``shared_stream_key()`` is derived from it field by field, and the
+producer is constructed from it and nothing else. So the key covers every producer setting by
+construction: siblings that differ in any of them get distinct keys (and distinct producers),
+never a silent "first subscriber wins". Watcher-side fields (``match``, ``filter_function``,
+``on_filter_error``) live on the trigger, not here, so a subclass that only filters shares the
+stream with its siblings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Mapping
+from typing import Any, ClassVar
+
+from airflow_shared_stream_provider._core.dispositions import DEFAULT_MAX_DELIVERY_ATTEMPTS
+from airflow_shared_stream_provider._core.envelope import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    OVERSIZE_POLICIES,
+    BrokerName,
+    OversizePolicy,
+)
+from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
+
+
+def _freeze(value: Any) -> Hashable:
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value  # type: ignore[no-any-return]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamSettings:
+    """Settings every broker's producer reads."""
+
+    broker: ClassVar[BrokerName]
+
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    oversize_policy: OversizePolicy = "dead_letter"
+    max_delivery_attempts: int | None = DEFAULT_MAX_DELIVERY_ATTEMPTS
+    max_in_flight: int = 10_000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_payload_bytes, int) or self.max_payload_bytes < 1024:
+            raise SharedStreamConfigError(f"max_payload_bytes must be an int >= 1024, got {self.max_payload_bytes!r}")
+        if self.oversize_policy not in OVERSIZE_POLICIES:
+            raise SharedStreamConfigError(
+                f"oversize_policy must be one of {OVERSIZE_POLICIES}, got {self.oversize_policy!r}"
+            )
+        if self.max_delivery_attempts is not None and (
+            not isinstance(self.max_delivery_attempts, int) or self.max_delivery_attempts < 1
+        ):
+            raise SharedStreamConfigError(
+                f"max_delivery_attempts must be a positive int or None, got {self.max_delivery_attempts!r}"
+            )
+        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise SharedStreamConfigError(f"max_in_flight must be a positive int, got {self.max_in_flight!r}")
+
+    def key(self) -> tuple[Hashable, ...]:
+        """Every field, in declaration order, as a hashable tuple of ``(name, value)``."""
+        return tuple((f.name, _freeze(getattr(self, f.name))) for f in dataclasses.fields(self))
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """JSON-safe kwargs (lists, not tuples) for ``serialize()``."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @staticmethod
+    def require_text(name: str, value: Any, *, allow_none: bool = False) -> None:
+        if value is None and allow_none:
+            return
+        if not isinstance(value, str) or not value.strip():
+            raise SharedStreamConfigError(f"{name} must be a non-empty string, got {value!r}")
+
+    @staticmethod
+    def require_number(name: str, value: Any, *, minimum: float, maximum: float | None = None) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
+            raise SharedStreamConfigError(f"{name} must be a number >= {minimum}, got {value!r}")
+        if maximum is not None and value > maximum:
+            raise SharedStreamConfigError(f"{name} must be <= {maximum}, got {value!r}")

@@ -1,0 +1,70 @@
+"""Provider metadata for Airflow's ProvidersManager (entry point ``apache_airflow_provider``).
+
+Mirrors ``provider.yaml`` at the repository top level, which is the single source of truth;
+``tests/unit/test_provider_info.py`` fails when the two disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def get_provider_info() -> dict[str, Any]:
+    return {
+        "package-name": "airflow-shared-stream-provider",
+        "name": "Shared Stream",
+        "description": "Shared-stream AssetWatcher triggers for Kafka, AWS SQS, Google Pub/Sub and Azure "
+        "Service Bus:\n"
+        "many watchers share one broker connection, and a message is committed only after "
+        "every\n"
+        "watcher's events are persisted in the metadata DB.\n",
+        "versions": ["0.1.0"],
+        "integrations": [
+            {
+                "integration-name": "Shared Stream Kafka",
+                "external-doc-url": "https://kafka.apache.org/",
+                "tags": ["software"],
+            },
+            {
+                "integration-name": "Shared Stream Amazon SQS",
+                "external-doc-url": "https://aws.amazon.com/sqs/",
+                "tags": ["aws"],
+            },
+            {
+                "integration-name": "Shared Stream Google Pub/Sub",
+                "external-doc-url": "https://cloud.google.com/pubsub",
+                "tags": ["gcp"],
+            },
+            {
+                "integration-name": "Shared Stream Azure Service Bus",
+                "external-doc-url": "https://azure.microsoft.com/products/service-bus",
+                "tags": ["azure"],
+            },
+        ],
+        "triggers": [
+            {
+                "integration-name": "Shared Stream Kafka",
+                "python-modules": ["airflow_shared_stream_provider.triggers.kafka"],
+            },
+            {
+                "integration-name": "Shared Stream Amazon SQS",
+                "python-modules": ["airflow_shared_stream_provider.triggers.sqs"],
+            },
+            {
+                "integration-name": "Shared Stream Google Pub/Sub",
+                "python-modules": ["airflow_shared_stream_provider.triggers.pubsub"],
+            },
+            {
+                "integration-name": "Shared Stream Azure Service Bus",
+                "python-modules": [
+                    "airflow_shared_stream_provider.triggers.servicebus"
+                ],
+            },
+        ],
+        "queues": [
+            "airflow_shared_stream_provider.queues.KafkaSharedStreamQueueProvider",
+            "airflow_shared_stream_provider.queues.SqsSharedStreamQueueProvider",
+            "airflow_shared_stream_provider.queues.PubSubSharedStreamQueueProvider",
+            "airflow_shared_stream_provider.queues.ServiceBusSharedStreamQueueProvider",
+        ],
+    }

@@ -1,0 +1,1 @@
+"""Shared-stream producers, one module per broker. Each imports its broker SDK."""

@@ -1,0 +1,422 @@
+"""
+Kafka producer for shared streams: one aiokafka consumer-group member per stream, native asyncio.
+
+Lanes are ``(topic, partition)``. Within a lane the manager hands ``advance`` resolved messages in
+fan-out order; the producer commits a partition only through its **contiguous prefix of terminally
+handled offsets** (committed or dead-lettered), so a commit never passes a message that still has
+to come back.
+
+==================  ===============================================================================
+outcome             what happens on Kafka
+==================  ===============================================================================
+acked (COMMIT)      offset marked done; committed as soon as everything before it is done
+rejected            produced to ``dlq_topic`` (original key, value, headers + ``x-dead-letter-*``
+(DEAD_LETTER)       headers) and awaited (acks=all) **before** the offset is marked done. Without a
+                    ``dlq_topic`` it is logged with its coordinates and committed past; the record
+                    stays in the source topic until retention (Kafka never deletes on commit).
+failed (REDELIVER)  not done: the lane holds at this offset and the consumer seeks back to it, so it
+                    is delivered again in this session (only the held offsets are re-yielded; the
+                    ones still in flight or done are skipped, not duplicated).
+poison              a failed message whose in-session attempt count reached
+                    ``max_delivery_attempts`` is dead-lettered as above instead.
+zero-subscriber     like failed, but re-read after ``hold_backoff`` seconds and without counting an
+(HOLD)              attempt (nobody saw it).
+revoked partition   outcomes arriving for a partition this member no longer owns are dropped: never
+                    committed by a consumer that lost the partition; the new owner re-reads them.
+advance raises      (DLQ write or commit failed) the manager terminates the group; nothing past the
+                    last commit was committed, so the next group re-reads from there.
+crash / restart     nothing uncommitted is lost: the group resumes from the last committed offset
+                    and re-delivers everything after it (watchers must be idempotent:
+                    dedup on ``message_id``).
+==================  ===============================================================================
+
+Flow control: when watchers have no credit left, every assigned partition is paused and the
+consumer keeps polling (empty fetches), so it stays in the group while ``max.poll.interval.ms`` runs
+and resumes as soon as credit returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from airflow_shared_stream_provider._core.dispositions import Disposition
+from airflow_shared_stream_provider._core.envelope import iso_timestamp, text_attributes, text_value
+from airflow_shared_stream_provider._core.errors import (
+    BrokerHandleClosedError,
+    PartialAssignmentError,
+    SharedStreamConfigError,
+    missing_dependency,
+)
+from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
+from airflow_shared_stream_provider.producers.kafka_config import KafkaClientConfig, kafka_client_config
+from airflow_shared_stream_provider.triggers.kafka import KafkaStreamSettings
+
+try:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+    from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaConnectionError, KafkaError
+    from aiokafka.helpers import create_ssl_context
+    from aiokafka.structs import OffsetAndMetadata
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise missing_dependency("kafka", "aiokafka", exc) from exc
+
+_epochs = itertools.count(1)
+
+
+@dataclass(slots=True)
+class KafkaDelivery(Delivery):
+    """What ``advance`` needs of one record: its coordinates, and the bytes a DLQ write re-sends."""
+
+    tp: TopicPartition
+    offset: int
+    epoch: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...]
+
+
+@dataclass(slots=True)
+class _Lane:
+    """One assigned partition. ``epoch`` changes on every (re)assignment."""
+
+    epoch: int
+    # Offsets yielded for the first time, in offset order; the commit point is the longest prefix
+    # of these that is in ``done``. Keeping the real offsets (not ``committed + 1``) makes gaps from
+    # compaction and transaction markers harmless.
+    yielded: deque[int] = field(default_factory=deque)
+    done: set[int] = field(default_factory=set)
+    redeliver: set[int] = field(default_factory=set)
+    high_yielded: int = -1
+    committed: int | None = None
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, producer: KafkaSharedStreamProducer) -> None:
+        self._producer = producer
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        self._producer._on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        self._producer._on_assigned(set(assigned))
+
+
+class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, KafkaDelivery]):
+    """The broker side of :class:`~airflow_shared_stream_provider.triggers.kafka.KafkaSharedStreamTrigger`."""
+
+    broker = "kafka"
+
+    def __init__(self, settings: KafkaStreamSettings, *, stream_key: Hashable) -> None:
+        super().__init__(settings, stream_key=stream_key)
+        self.group_id = settings.effective_group_id()
+        self._consumer: AIOKafkaConsumer | None = None
+        self._dlq: AIOKafkaProducer | None = None
+        self._config: KafkaClientConfig | None = None
+        self._lanes: dict[TopicPartition, _Lane] = {}
+        self._attempts: dict[tuple[TopicPartition, int], int] = {}
+        self._partial_since: float | None = None
+        self._partial_detail = ""
+        self._last_partial_warning = 0.0
+        self._paused = False
+        self._timers: set[asyncio.TimerHandle] = set()
+
+    def source_label(self) -> str:
+        return ",".join(self.settings.topics)
+
+    # -- connection ----------------------------------------------------------------------------
+    async def _load_config(self) -> KafkaClientConfig:
+        from airflow.sdk import BaseHook
+
+        conn_id = self.settings.kafka_config_id
+        try:
+            connection = await BaseHook.aget_connection(conn_id)
+        except Exception as exc:
+            raise SharedStreamConfigError(f"Kafka connection {conn_id!r} could not be read: {exc}") from exc
+        return kafka_client_config(conn_id, connection.extra_dejson, group_id=self.group_id)
+
+    def _ssl_context(self, config: KafkaClientConfig) -> Any:
+        if not config.consumer["security_protocol"].endswith("SSL"):
+            return None
+        context = create_ssl_context(**config.ssl)
+        context.check_hostname = config.check_hostname
+        return context
+
+    async def _start_consumer(self) -> AIOKafkaConsumer:
+        config = self._config = await self._load_config()
+        self.log.info("Opening Kafka shared stream %s for group %s: %s", self.source_label(), self.group_id, config.redacted())
+        consumer = AIOKafkaConsumer(
+            **config.consumer,
+            enable_auto_commit=False,
+            ssl_context=self._ssl_context(config),
+        )
+        consumer.subscribe(topics=list(self.settings.topics), listener=_Rebalance(self))
+        try:
+            await consumer.start()
+        except KafkaConnectionError as exc:
+            await consumer.stop()
+            raise SharedStreamConfigError(
+                f"cannot reach Kafka at {config.consumer['bootstrap_servers']} "
+                f"(connection {self.settings.kafka_config_id!r}): {exc}"
+            ) from exc
+        self._consumer = consumer
+        return consumer
+
+    # -- rebalances ----------------------------------------------------------------------------
+    def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        for tp in revoked:
+            # Commits happen eagerly in advance(); what is still in flight for this partition
+            # belongs to the next owner now, and its late outcomes are ignored (epoch mismatch).
+            self._lanes.pop(tp, None)
+        self._attempts = {k: v for k, v in self._attempts.items() if k[0] not in revoked}
+
+    def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        for tp in assigned:
+            self._lanes[tp] = _Lane(epoch=next(_epochs))
+        self._check_assignment(assigned)
+
+    def _check_assignment(self, assigned: set[TopicPartition]) -> None:
+        """Detect a partial assignment: this member must read every partition of every topic."""
+        consumer = self._consumer
+        missing: list[str] = []
+        for topic in self.settings.topics:
+            partitions = consumer.partitions_for_topic(topic) if consumer is not None else None
+            if not partitions:
+                missing.append(f"{topic}: no partitions known (does the topic exist?)")
+                continue
+            owned = {tp.partition for tp in assigned if tp.topic == topic}
+            if owned != set(partitions):
+                missing.append(f"{topic}: assigned {sorted(owned)} of {sorted(partitions)}")
+        if missing:
+            self._partial_detail = "; ".join(missing)
+            if self._partial_since is None:
+                self._partial_since = time.monotonic()
+        else:
+            self._partial_since = None
+            self._partial_detail = ""
+
+    def _enforce_full_assignment(self) -> None:
+        if self._partial_since is None:
+            return
+        if self._consumer is not None:
+            # Metadata may have arrived since the assignment: re-check before judging.
+            self._check_assignment(set(self._consumer.assignment()))
+            if self._partial_since is None:
+                return
+        held_for = time.monotonic() - self._partial_since
+        if held_for < self.settings.partial_assignment_grace:
+            return
+        message = (
+            f"Kafka shared stream {self.source_label()!r} (group {self.group_id!r}) does not own all "
+            f"partitions for {held_for:.0f}s: {self._partial_detail}. Another consumer in the same group "
+            "(most likely sibling watchers on another triggerer) reads the rest, so these watchers "
+            "would silently see only part of the topic. See docs/kafka.md, 'Several triggerers'."
+        )
+        self.counters.gauge("partial_assignment", 1)
+        if self.settings.on_partial_assignment == "fail":
+            raise PartialAssignmentError(message)
+        now = time.monotonic()
+        if now - self._last_partial_warning >= 60:
+            self._last_partial_warning = now
+            self.log.error(message)
+
+    # -- the stream ----------------------------------------------------------------------------
+    async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
+        consumer = await self._start_consumer()
+        poll_ms = int(self.settings.poll_timeout * 1000)
+        while True:
+            credit = await self._credit_or_keepalive(consumer)
+            if credit == 0:
+                continue
+            self._enforce_full_assignment()
+            fetched = await consumer.getmany(timeout_ms=poll_ms, max_records=min(credit, self.settings.max_batch_size))
+            received = 0
+            for tp, records in fetched.items():
+                lane = self._lanes.get(tp)
+                if lane is None:
+                    continue  # revoked while the fetch was in flight
+                for record in records:
+                    offset = record.offset
+                    if offset <= lane.high_yielded:
+                        if offset not in lane.redeliver:
+                            continue  # in flight or done: a replay after seek-back, not a new message
+                        lane.redeliver.discard(offset)
+                        attempt = self._attempts.get((tp, offset), 1) + 1
+                    else:
+                        lane.high_yielded = offset
+                        lane.yielded.append(offset)
+                        attempt = 1
+                    received += 1
+                    headers = tuple(record.headers or ())
+                    envelope, forced = self.envelope(
+                        source=tp.topic,
+                        message_id=f"{tp.topic}/{tp.partition}/{offset}",
+                        body=record.value,
+                        attributes=text_attributes(list(headers)),
+                        published_at=iso_timestamp(record.timestamp, unit="ms") if record.timestamp else None,
+                        delivery_attempt=attempt,
+                        metadata={
+                            "topic": tp.topic,
+                            "partition": tp.partition,
+                            "offset": offset,
+                            "key": text_value(record.key) if record.key is not None else None,
+                            "timestamp_type": "log_append" if record.timestamp_type == 1 else "create",
+                            "group_id": self.group_id,
+                        },
+                    )
+                    message = self.stream_message(envelope, forced)
+                    yield message, KafkaDelivery(
+                        message, attempt, tp, offset, lane.epoch, record.key, record.value, headers
+                    )
+            self.counters.add("received", received)
+
+    async def _credit_or_keepalive(self, consumer: AIOKafkaConsumer) -> int:
+        """Credit for the next fetch; while there is none, pause partitions and keep polling."""
+        credit = self.gate.credit()
+        if credit > 0:
+            if self._paused:
+                consumer.resume(*consumer.assignment())
+                self._paused = False
+            return credit
+        if not self._paused:
+            consumer.pause(*consumer.assignment())
+            self._paused = True
+        try:
+            return await asyncio.wait_for(self.wait_for_credit(), timeout=self.settings.poll_timeout)
+        except TimeoutError:
+            # Paused partitions return nothing; polling keeps this member in the group.
+            await consumer.getmany(timeout_ms=0)
+            return 0
+
+    def get_advance_lane(self, broker_payload: KafkaDelivery) -> Hashable:
+        return broker_payload.tp
+
+    # -- advance -------------------------------------------------------------------------------
+    async def _apply(self, decided: Sequence[Decided[KafkaDelivery]]) -> None:
+        consumer = self._consumer
+        if consumer is None:
+            raise BrokerHandleClosedError(f"Kafka consumer for {self.source_label()} is closed; batch not advanced")
+        first = decided[0].delivery
+        tp = first.tp
+        lane = self._lanes.get(tp)
+        if lane is None or lane.epoch != first.epoch:
+            self.counters.add("stale_skipped", len(decided))
+            self.log.info("Dropping %d outcomes for %s: partition reassigned since they were read", len(decided), tp)
+            return
+        dead = [entry for entry in decided if entry.disposition is Disposition.DEAD_LETTER]
+        if dead:
+            await self._dead_letter(dead)
+        replay_now = replay_later = False
+        for entry in decided:
+            delivery = entry.delivery
+            if entry.disposition in (Disposition.COMMIT, Disposition.DEAD_LETTER):
+                lane.done.add(delivery.offset)
+                self._attempts.pop((tp, delivery.offset), None)
+            else:
+                lane.redeliver.add(delivery.offset)
+                if entry.disposition is Disposition.HOLD:
+                    self._attempts[(tp, delivery.offset)] = delivery.delivery_attempt - 1
+                    replay_later = True
+                else:
+                    self._attempts[(tp, delivery.offset)] = delivery.delivery_attempt
+                    replay_now = True
+        await self._commit_prefix(consumer, tp, lane)
+        if replay_now:
+            self._seek_to_redeliveries(tp, lane.epoch)
+        elif replay_later:
+            loop = asyncio.get_running_loop()
+            handle = loop.call_later(self.settings.hold_backoff, self._seek_to_redeliveries, tp, lane.epoch)
+            self._timers.add(handle)
+
+    async def _commit_prefix(self, consumer: AIOKafkaConsumer, tp: TopicPartition, lane: _Lane) -> None:
+        last_done: int | None = None
+        while lane.yielded and lane.yielded[0] in lane.done:
+            last_done = lane.yielded.popleft()
+            lane.done.discard(last_done)
+        if last_done is None:
+            return
+        target = last_done + 1
+        self.counters.api_calls += 1
+        try:
+            await consumer.commit({tp: OffsetAndMetadata(target, "")})
+        except (CommitFailedError, IllegalStateError) as exc:
+            if tp not in consumer.assignment():
+                self.counters.add("stale_skipped")
+                self.log.warning("Commit of %s@%d dropped: partition no longer assigned (%s)", tp, target, exc)
+                return
+            raise
+        lane.committed = target
+        highwater = consumer.highwater(tp)
+        if highwater is not None:
+            self.counters.gauge("consumer_lag", highwater - target, topic=tp.topic, partition=str(tp.partition))
+
+    def _seek_to_redeliveries(self, tp: TopicPartition, epoch: int) -> None:
+        lane = self._lanes.get(tp)
+        consumer = self._consumer
+        if lane is None or lane.epoch != epoch or not lane.redeliver or consumer is None:
+            return
+        if tp not in consumer.assignment():
+            return
+        consumer.seek(tp, min(lane.redeliver))
+
+    async def _dead_letter(self, entries: Sequence[Decided[KafkaDelivery]]) -> None:
+        topic = self.settings.dlq_topic
+        if topic is None:
+            for entry in entries:
+                d = entry.delivery
+                self.log.error(
+                    "Dead-lettering %s/%d/%d without a dlq_topic: committed past; the record stays in the "
+                    "source topic until retention. Reason: %s",
+                    d.tp.topic,
+                    d.tp.partition,
+                    d.offset,
+                    entry.decision.reason,
+                )
+            return
+        producer = await self._dlq_producer()
+        sends = []
+        for entry in entries:
+            d = entry.delivery
+            headers = [
+                *d.headers,
+                ("x-dead-letter-reason", entry.decision.reason.encode()),
+                ("x-dead-letter-source", f"{d.tp.topic}/{d.tp.partition}/{d.offset}".encode()),
+                ("x-dead-letter-attempts", str(d.delivery_attempt).encode()),
+                ("x-dead-letter-group", self.group_id.encode()),
+            ]
+            sends.append(await producer.send(topic, value=d.value, key=d.key, headers=headers))
+        self.counters.api_calls += len(sends)
+        # Every record acknowledged by the broker (acks=all) before any offset is marked done.
+        await asyncio.gather(*sends)
+
+    async def _dlq_producer(self) -> AIOKafkaProducer:
+        if self._dlq is None:
+            config = self._config
+            if config is None:
+                raise BrokerHandleClosedError("Kafka configuration not loaded")
+            producer = AIOKafkaProducer(**config.common, acks="all", ssl_context=self._ssl_context(config))
+            await producer.start()
+            self._dlq = producer
+        return self._dlq
+
+    async def _close(self) -> None:
+        for handle in self._timers:
+            handle.cancel()
+        self._timers.clear()
+        dlq, self._dlq = self._dlq, None
+        consumer, self._consumer = self._consumer, None
+        if dlq is not None:
+            try:
+                await dlq.stop()
+            except KafkaError:
+                self.log.warning("Closing the Kafka DLQ producer failed", exc_info=True)
+        if consumer is not None:
+            try:
+                await consumer.stop()
+            except KafkaError:
+                self.log.warning("Closing the Kafka consumer failed", exc_info=True)
+        self._lanes.clear()

@@ -1,0 +1,183 @@
+"""
+Map the upstream Kafka connection (librdkafka-style extras) to aiokafka keyword arguments.
+
+The connection is the one ``apache-airflow-providers-apache-kafka`` users already have (conn type
+``kafka``; the config lives in the extras, keys as librdkafka spells them). We read it directly
+instead of declaring the connection type (the upstream provider owns it).
+
+Every supported key is in :data:`_CONSUMER_KEYS`; keys that only matter to librdkafka's own
+internals and are harmless here are in :data:`_IGNORED_KEYS`; anything else is an error naming the
+key, so a typo in a security setting can never silently fall back to plaintext.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
+
+
+def _text(value: Any) -> str:
+    return str(value).strip()
+
+
+def _int(value: Any) -> int:
+    return int(str(value).strip())
+
+
+def _bool(value: Any) -> bool:
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+def _lower(value: Any) -> str:
+    return str(value).strip().lower()
+
+
+# librdkafka key -> (aiokafka consumer kwarg, converter)
+_CONSUMER_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "bootstrap.servers": ("bootstrap_servers", _text),
+    "client.id": ("client_id", _text),
+    "group.id": ("group_id", _text),
+    "group.instance.id": ("group_instance_id", _text),
+    "auto.offset.reset": ("auto_offset_reset", _lower),
+    "session.timeout.ms": ("session_timeout_ms", _int),
+    "heartbeat.interval.ms": ("heartbeat_interval_ms", _int),
+    "max.poll.interval.ms": ("max_poll_interval_ms", _int),
+    "request.timeout.ms": ("request_timeout_ms", _int),
+    "retry.backoff.ms": ("retry_backoff_ms", _int),
+    "metadata.max.age.ms": ("metadata_max_age_ms", _int),
+    "connections.max.idle.ms": ("connections_max_idle_ms", _int),
+    "fetch.max.bytes": ("fetch_max_bytes", _int),
+    "fetch.min.bytes": ("fetch_min_bytes", _int),
+    "fetch.wait.max.ms": ("fetch_max_wait_ms", _int),
+    "max.partition.fetch.bytes": ("max_partition_fetch_bytes", _int),
+    "isolation.level": ("isolation_level", _lower),
+    "check.crcs": ("check_crcs", _bool),
+    "security.protocol": ("security_protocol", lambda v: _text(v).upper()),
+    "sasl.mechanism": ("sasl_mechanism", lambda v: _text(v).upper()),
+    "sasl.mechanisms": ("sasl_mechanism", lambda v: _text(v).upper()),
+    "sasl.username": ("sasl_plain_username", _text),
+    "sasl.password": ("sasl_plain_password", _text),
+    "sasl.kerberos.service.name": ("sasl_kerberos_service_name", _text),
+    "sasl.kerberos.domain.name": ("sasl_kerberos_domain_name", _text),
+}
+_SSL_KEYS = {
+    "ssl.ca.location": "cafile",
+    "ssl.certificate.location": "certfile",
+    "ssl.key.location": "keyfile",
+    "ssl.key.password": "password",
+}
+_IGNORED_KEYS = frozenset(
+    {
+        "enable.auto.offset.store",  # librdkafka-only bookkeeping; commits are explicit here
+        "socket.keepalive.enable",
+        "log_level",
+        "debug",
+    }
+)
+_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER")
+_OFFSET_RESETS = ("earliest", "latest", "none")
+_SECRET_HINTS = ("password", "secret", "token")
+
+
+@dataclass
+class KafkaClientConfig:
+    """aiokafka kwargs for the consumer, and the subset (security + bootstrap) for the DLQ producer."""
+
+    consumer: dict[str, Any]
+    common: dict[str, Any]
+    ssl: dict[str, Any] = field(default_factory=dict)
+    check_hostname: bool = True
+
+    def redacted(self) -> dict[str, Any]:
+        """The consumer kwargs with secrets masked, safe to log."""
+        return {k: ("***" if any(h in k for h in _SECRET_HINTS) else v) for k, v in self.consumer.items()}
+
+
+def kafka_client_config(conn_id: str, extras: Mapping[str, Any], *, group_id: str) -> KafkaClientConfig:
+    """
+    Translate one connection's extras. ``group_id`` (the trigger's) overrides ``group.id``.
+
+    Refuses ``enable.auto.commit=true``: the shared stream commits offsets only after the derived
+    events are persisted; auto-commit would commit on its own schedule and lose messages on a
+    triggerer crash.
+    """
+    consumer: dict[str, Any] = {}
+    ssl: dict[str, Any] = {}
+    check_hostname = True
+    for raw_key, value in extras.items():
+        key = raw_key.strip()
+        if key == "enable.auto.commit":
+            try:
+                enabled = _bool(value)
+            except ValueError as exc:
+                raise SharedStreamConfigError(f"connection {conn_id!r}: {key}={value!r}: {exc}") from exc
+            if enabled:
+                raise SharedStreamConfigError(
+                    f"connection {conn_id!r} sets enable.auto.commit=true: shared streams commit offsets only "
+                    "after the asset events are persisted, and auto-commit would commit on its own schedule "
+                    "and lose messages when the triggerer crashes. Remove it or set it to false."
+                )
+            continue
+        if key in _IGNORED_KEYS:
+            continue
+        if key == "ssl.endpoint.identification.algorithm":
+            check_hostname = _lower(value) not in ("none", "")
+            continue
+        if key in _SSL_KEYS:
+            ssl[_SSL_KEYS[key]] = _text(value)
+            continue
+        mapped = _CONSUMER_KEYS.get(key)
+        if mapped is None:
+            raise SharedStreamConfigError(
+                f"connection {conn_id!r}: unsupported Kafka setting {key!r}. Supported: "
+                f"{', '.join(sorted([*_CONSUMER_KEYS, *_SSL_KEYS, 'ssl.endpoint.identification.algorithm']))}"
+            )
+        name, convert = mapped
+        try:
+            consumer[name] = convert(value)
+        except ValueError as exc:
+            raise SharedStreamConfigError(f"connection {conn_id!r}: {key}={value!r} is not valid: {exc}") from exc
+    if not consumer.get("bootstrap_servers"):
+        raise SharedStreamConfigError(f"connection {conn_id!r} has no bootstrap.servers in its extras")
+    protocol = consumer.setdefault("security_protocol", "PLAINTEXT")
+    if protocol not in _SECURITY_PROTOCOLS:
+        raise SharedStreamConfigError(f"connection {conn_id!r}: security.protocol {protocol!r} not in {_SECURITY_PROTOCOLS}")
+    mechanism = consumer.get("sasl_mechanism")
+    if mechanism is not None and mechanism not in _SASL_MECHANISMS:
+        raise SharedStreamConfigError(f"connection {conn_id!r}: sasl.mechanism {mechanism!r} not in {_SASL_MECHANISMS}")
+    if protocol.startswith("SASL") and mechanism is None:
+        raise SharedStreamConfigError(f"connection {conn_id!r}: security.protocol {protocol} needs sasl.mechanism")
+    if mechanism == "OAUTHBEARER":
+        raise SharedStreamConfigError(
+            f"connection {conn_id!r}: sasl.mechanism OAUTHBEARER needs a token provider object, which a "
+            "connection cannot carry; use SCRAM or PLAIN over SASL_SSL"
+        )
+    reset = consumer.setdefault("auto_offset_reset", "earliest")
+    if reset not in _OFFSET_RESETS:
+        raise SharedStreamConfigError(f"connection {conn_id!r}: auto.offset.reset {reset!r} not in {_OFFSET_RESETS}")
+    consumer["group_id"] = group_id
+    common_keys = (
+        "bootstrap_servers",
+        "client_id",
+        "security_protocol",
+        "sasl_mechanism",
+        "sasl_plain_username",
+        "sasl_plain_password",
+        "sasl_kerberos_service_name",
+        "sasl_kerberos_domain_name",
+        "request_timeout_ms",
+        "retry_backoff_ms",
+        "metadata_max_age_ms",
+        "connections_max_idle_ms",
+    )
+    common = {k: consumer[k] for k in common_keys if k in consumer}
+    return KafkaClientConfig(consumer=consumer, common=common, ssl=ssl, check_hostname=check_hostname)

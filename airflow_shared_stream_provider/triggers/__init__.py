@@ -1,0 +1,1 @@
+"""Shared-stream triggers, one module per broker. None imports a broker SDK."""

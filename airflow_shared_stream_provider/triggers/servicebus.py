@@ -1,0 +1,196 @@
+"""
+Azure Service Bus shared-stream trigger: many AssetWatchers, one peek-lock receiver.
+
+Imports no Azure SDK: Dag files import this module. The receiver lives in
+:mod:`airflow_shared_stream_provider.producers.servicebus`, loaded only in the triggerer.
+
+Features: a queue or a topic subscription; PEEK_LOCK with prefetch and batch receive; a message is
+completed only after every watcher's events are persisted; rejected and poison messages are
+dead-lettered with a reason and description; locks of messages still being worked on are renewed
+up to the triggerer's ack timeout.
+
+Connection (``azure_service_bus_conn_id``, the upstream ``azure_service_bus`` connection, read
+directly): a connection string in the connection's *schema* field (or the ``connection_string``
+extra; empty / ``"None"`` counts as unset), emulator strings with ``UseDevelopmentEmulator=true``
+included; otherwise ``fully_qualified_namespace`` (extra) with ``DefaultAzureCredential``
+(extras ``managed_identity_client_id`` / ``workload_identity_tenant_id`` are honoured).
+
+Options (all part of the shared-stream key) and their defaults:
+
+=========================  ========  ==========================================================
+option                     default   meaning
+=========================  ========  ==========================================================
+``prefetch_count``         100       messages the SDK buffers ahead of a receive call (locked)
+``max_message_count``      100       most messages one ``receive_messages`` call returns
+``max_wait_time``          5.0       seconds a receive call waits for the first message
+``renew_locks``            True      renew locks of messages still being worked on
+``max_payload_bytes``      65536     cap of the event payload stored in the metadata DB
+``oversize_policy``        dead_letter  ``dead_letter`` or ``truncate`` for larger messages
+``max_delivery_attempts``  5         poison cap on ``delivery_count + 1`` (None = broker's own)
+``max_in_flight``          10000     most messages received but not yet settled
+=========================  ========  ==========================================================
+
+Example::
+
+    from airflow.sdk import Asset, AssetWatcher
+    from airflow_shared_stream_provider.triggers.servicebus import ServiceBusSharedStreamTrigger
+
+    eu_orders = Asset(
+        "eu_orders",
+        watchers=[
+            AssetWatcher(
+                name="eu_orders_watcher",
+                trigger=ServiceBusSharedStreamTrigger(queue_name="orders", match={"body.region": "eu"}),
+            )
+        ],
+    )
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from airflow_shared_stream_provider._core.dispositions import DEFAULT_MAX_DELIVERY_ATTEMPTS
+from airflow_shared_stream_provider._core.envelope import DEFAULT_MAX_PAYLOAD_BYTES, OversizePolicy
+from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
+from airflow_shared_stream_provider._core.filtering import FilterErrorPolicy
+from airflow_shared_stream_provider._core.settings import StreamSettings
+from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
+
+DEFAULT_CONN_ID = "azure_service_bus_default"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServiceBusStreamSettings(StreamSettings):
+    """Everything :class:`~airflow_shared_stream_provider.producers.servicebus.ServiceBusSharedStreamProducer` reads."""
+
+    broker: ClassVar[Literal["servicebus"]] = "servicebus"
+
+    queue_name: str | None = None
+    topic_name: str | None = None
+    subscription_name: str | None = None
+    azure_service_bus_conn_id: str = DEFAULT_CONN_ID
+    prefetch_count: int = 100
+    max_message_count: int = 100
+    max_wait_time: float = 5.0
+    renew_locks: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.require_text("queue_name", self.queue_name, allow_none=True)
+        self.require_text("topic_name", self.topic_name, allow_none=True)
+        self.require_text("subscription_name", self.subscription_name, allow_none=True)
+        if self.queue_name is not None:
+            if self.topic_name is not None or self.subscription_name is not None:
+                raise SharedStreamConfigError(
+                    "give either queue_name, or topic_name + subscription_name, not both "
+                    f"(got queue_name={self.queue_name!r}, topic_name={self.topic_name!r}, "
+                    f"subscription_name={self.subscription_name!r})"
+                )
+        elif self.topic_name is None and self.subscription_name is None:
+            raise SharedStreamConfigError("give either queue_name, or topic_name + subscription_name")
+        elif self.topic_name is None:
+            raise SharedStreamConfigError(
+                f"subscription_name={self.subscription_name!r} needs topic_name (the topic it belongs to)"
+            )
+        elif self.subscription_name is None:
+            raise SharedStreamConfigError(
+                f"topic_name={self.topic_name!r} needs subscription_name: a shared stream reads one "
+                "subscription of a topic"
+            )
+        self.require_text("azure_service_bus_conn_id", self.azure_service_bus_conn_id)
+        if isinstance(self.prefetch_count, bool) or not isinstance(self.prefetch_count, int):
+            raise SharedStreamConfigError(f"prefetch_count must be an int, got {self.prefetch_count!r}")
+        self.require_number("prefetch_count", self.prefetch_count, minimum=0, maximum=5000)
+        if isinstance(self.max_message_count, bool) or not isinstance(self.max_message_count, int):
+            raise SharedStreamConfigError(f"max_message_count must be an int, got {self.max_message_count!r}")
+        self.require_number("max_message_count", self.max_message_count, minimum=1, maximum=5000)
+        self.require_number("max_wait_time", self.max_wait_time, minimum=0.05, maximum=300)
+        if not isinstance(self.renew_locks, bool):
+            raise SharedStreamConfigError(f"renew_locks must be True or False, got {self.renew_locks!r}")
+
+    @property
+    def entity_path(self) -> str:
+        """``queue`` or ``topic/Subscriptions/subscription`` (the address the receiver attaches to)."""
+        if self.queue_name is not None:
+            return self.queue_name
+        return f"{self.topic_name}/Subscriptions/{self.subscription_name}"
+
+
+class ServiceBusSharedStreamTrigger(SharedStreamTrigger):
+    """
+    Fire asset events from an Azure Service Bus queue or topic subscription through one receiver.
+
+    Watchers whose producer settings are equal share one client and one peek-lock receiver in the
+    triggerer; each applies its own ``match`` / ``filter_function``. A message is completed only
+    after every watcher's events for it are persisted in the metadata DB, dead-lettered when a
+    watcher rejected it, abandoned (redelivered) when a watcher failed it. See
+    ``docs/servicebus.md`` for the guarantees and the failure matrix.
+
+    Give exactly one of ``queue_name`` or ``topic_name`` + ``subscription_name``.
+
+    :param queue_name: queue to read.
+    :param topic_name: topic whose subscription to read (with ``subscription_name``).
+    :param subscription_name: subscription of ``topic_name`` to read.
+    :param azure_service_bus_conn_id: Airflow connection of the upstream ``azure_service_bus``
+        shape: connection string in *schema* (or extra ``connection_string``), or extra
+        ``fully_qualified_namespace`` with ``DefaultAzureCredential``.
+    :param match: per-watcher filter on envelope paths, e.g. ``{"attributes.type": "order"}``.
+    :param filter_function: dotted path of ``f(envelope) -> bool`` (may raise ``RejectMessage``).
+    :param on_filter_error: what a filter exception does: ``reject`` (default), ``skip``, ``fail``.
+    :param max_payload_bytes: cap of the event payload stored in the metadata DB (default 65536).
+    :param oversize_policy: ``dead_letter`` (default) or ``truncate`` for larger messages.
+    :param max_delivery_attempts: poison cap: a failed message whose ``delivery_count + 1`` reached
+        it is dead-lettered instead of abandoned (default 5; None leaves it to the entity's
+        ``MaxDeliveryCount``).
+    :param max_in_flight: most messages received but not yet settled (default 10000).
+    :param prefetch_count: messages the SDK receives ahead of a call (default 100; 0 = none). They
+        are locked while buffered: keep it well below what the group handles in one lock duration.
+    :param max_message_count: most messages one receive call returns (default 100).
+    :param max_wait_time: seconds one receive call waits for a first message (default 5.0).
+    :param renew_locks: renew the locks of messages watchers still work on, up to the triggerer's
+        ack timeout (default True).
+    """
+
+    settings_class = ServiceBusStreamSettings
+    producer_class_path = "airflow_shared_stream_provider.producers.servicebus.ServiceBusSharedStreamProducer"
+    settings: ServiceBusStreamSettings
+
+    def __init__(
+        self,
+        *,
+        queue_name: str | None = None,
+        topic_name: str | None = None,
+        subscription_name: str | None = None,
+        azure_service_bus_conn_id: str = DEFAULT_CONN_ID,
+        match: Mapping[str, Any] | None = None,
+        filter_function: str | None = None,
+        on_filter_error: FilterErrorPolicy = "reject",
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        oversize_policy: OversizePolicy = "dead_letter",
+        max_delivery_attempts: int | None = DEFAULT_MAX_DELIVERY_ATTEMPTS,
+        max_in_flight: int = 10_000,
+        prefetch_count: int = 100,
+        max_message_count: int = 100,
+        max_wait_time: float = 5.0,
+        renew_locks: bool = True,
+    ) -> None:
+        settings = ServiceBusStreamSettings(
+            queue_name=queue_name,
+            topic_name=topic_name,
+            subscription_name=subscription_name,
+            azure_service_bus_conn_id=azure_service_bus_conn_id,
+            max_payload_bytes=max_payload_bytes,
+            oversize_policy=oversize_policy,
+            max_delivery_attempts=max_delivery_attempts,
+            max_in_flight=max_in_flight,
+            prefetch_count=prefetch_count,
+            max_message_count=max_message_count,
+            max_wait_time=max_wait_time,
+            renew_locks=renew_locks,
+        )
+        super().__init__(
+            settings=settings, match=match, filter_function=filter_function, on_filter_error=on_filter_error
+        )

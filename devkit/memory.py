@@ -1,0 +1,183 @@
+"""
+An in-memory broker with a real producer and trigger on the provider's core.
+
+Two uses: unit tests of the core (dispositions, poison cap, flow control, filters) against the
+real ``SharedStreamManager`` without a broker process, and the benchmarks' framework ceiling (a
+producer that yields pre-built messages as fast as the manager takes them).
+
+The broker has queue semantics: a message is *available*, *in flight* (handed to the producer)
+or gone (committed / dead-lettered). REDELIVER and HOLD make it available again, REDELIVER with
+``delivery_attempt + 1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from airflow_shared_stream_provider._core.dispositions import Disposition
+from airflow_shared_stream_provider._core.filtering import FilterErrorPolicy
+from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
+from airflow_shared_stream_provider._core.settings import StreamSettings
+from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
+
+
+@dataclass
+class MemoryMessage:
+    message_id: str
+    body: bytes
+    attributes: dict[str, str] = field(default_factory=dict)
+    lane: str = ""
+    attempts: int = 0
+
+
+@dataclass
+class MemoryBroker:
+    """The broker side: available messages, commit log, dead letters, and every action taken."""
+
+    name: str
+    available: deque[MemoryMessage] = field(default_factory=deque)
+    in_flight: dict[str, MemoryMessage] = field(default_factory=dict)
+    committed: list[str] = field(default_factory=list)
+    dead_letters: list[tuple[str, str]] = field(default_factory=list)
+    actions: list[tuple[str, str]] = field(default_factory=list)
+    _arrived: asyncio.Event | None = None
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def publish(self, body: bytes | str, *, attributes: dict[str, str] | None = None, lane: str = "") -> str:
+        message_id = f"{self.name}-{next(self._ids)}"
+        raw = body.encode() if isinstance(body, str) else body
+        self.available.append(MemoryMessage(message_id, raw, attributes or {}, lane))
+        if self._arrived is not None:
+            self._arrived.set()
+        return message_id
+
+    def requeue(self, message: MemoryMessage) -> None:
+        self.available.append(message)
+        if self._arrived is not None:
+            self._arrived.set()
+
+    async def wait_for_messages(self) -> None:
+        if self._arrived is None:
+            self._arrived = asyncio.Event()
+        while not self.available:
+            self._arrived.clear()
+            await self._arrived.wait()
+
+
+brokers: dict[str, MemoryBroker] = {}
+
+
+def memory_broker(name: str) -> MemoryBroker:
+    broker = brokers.get(name)
+    if broker is None:
+        broker = brokers[name] = MemoryBroker(name)
+    return broker
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryStreamSettings(StreamSettings):
+    broker: ClassVar[Literal["kafka"]] = "kafka"  # envelopes need a known broker name; unused otherwise
+    broker_name: str
+    lanes: bool = False
+    prebuilt: bool = False
+
+
+@dataclass(slots=True)
+class MemoryDelivery(Delivery):
+    raw: MemoryMessage
+
+
+class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, MemoryDelivery]):
+    broker = "kafka"
+
+    def source_label(self) -> str:
+        return f"memory://{self.settings.broker_name}"
+
+    async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
+        broker = memory_broker(self.settings.broker_name)
+        while True:
+            await broker.wait_for_messages()
+            credit = await self.wait_for_credit()
+            while credit > 0 and broker.available:
+                raw = broker.available.popleft()
+                raw.attempts += 1
+                broker.in_flight[raw.message_id] = raw
+                envelope, forced = self.envelope(
+                    source=self.source_label(),
+                    message_id=raw.message_id,
+                    body=raw.body,
+                    attributes=raw.attributes,
+                    published_at=None,
+                    delivery_attempt=raw.attempts,
+                    metadata={"lane": raw.lane},
+                )
+                self.counters.add("received")
+                message = self.stream_message(envelope, forced)
+                yield message, MemoryDelivery(message, raw.attempts, raw)
+                credit -= 1
+
+    def get_advance_lane(self, broker_payload: Any) -> Hashable:
+        return broker_payload.raw.lane if self.settings.lanes else None
+
+    async def _apply(self, decided: Sequence[Decided[MemoryDelivery]]) -> None:
+        broker = memory_broker(self.settings.broker_name)
+        for entry in decided:
+            raw = entry.delivery.raw
+            broker.in_flight.pop(raw.message_id, None)
+            broker.actions.append((raw.message_id, entry.disposition.value))
+            if entry.disposition is Disposition.COMMIT:
+                broker.committed.append(raw.message_id)
+            elif entry.disposition is Disposition.DEAD_LETTER:
+                broker.dead_letters.append((raw.message_id, entry.decision.reason))
+            else:
+                if entry.disposition is Disposition.HOLD:
+                    raw.attempts -= 1  # nobody saw it: not a delivery attempt
+                broker.requeue(raw)
+
+    async def _close(self) -> None:
+        broker = memory_broker(self.settings.broker_name)
+        # Abandoned in-flight messages come back, as a broker's lease expiry would bring them.
+        for raw in list(broker.in_flight.values()):
+            broker.requeue(raw)
+        broker.in_flight.clear()
+
+
+class MemorySharedStreamTrigger(SharedStreamTrigger):
+    settings_class = MemoryStreamSettings
+    producer_class_path = "devkit.memory.MemorySharedStreamProducer"
+    settings: MemoryStreamSettings
+
+    def __init__(
+        self,
+        *,
+        broker_name: str,
+        lanes: bool = False,
+        prebuilt: bool = False,
+        match: Mapping[str, Any] | None = None,
+        filter_function: str | None = None,
+        on_filter_error: FilterErrorPolicy = "reject",
+        max_payload_bytes: int = 65536,
+        oversize_policy: Literal["dead_letter", "truncate"] = "dead_letter",
+        max_delivery_attempts: int | None = 5,
+        max_in_flight: int = 10_000,
+    ) -> None:
+        super().__init__(
+            settings=MemoryStreamSettings(
+                broker_name=broker_name,
+                lanes=lanes,
+                prebuilt=prebuilt,
+                max_payload_bytes=max_payload_bytes,
+                oversize_policy=oversize_policy,
+                max_delivery_attempts=max_delivery_attempts,
+                max_in_flight=max_in_flight,
+            ),
+            match=match,
+            filter_function=filter_function,
+            on_filter_error=on_filter_error,
+        )

@@ -1,0 +1,155 @@
+"""
+Drive the real ``SharedStreamManager`` the way the triggerer's ``TriggerRunner`` does.
+
+The runner (``airflow/jobs/triggerer_job_runner.py``) does, per trigger: ``manager.subscribe``,
+then ``async for event in trigger.filter_shared_stream(stream)``: ``await log.ainfo(...)`` (a
+structlog call that runs in a thread executor), ``manager.bind_pending_event`` and queueing the
+event; the supervisor persists queued events and confirms their seqs on the next state sync
+(``manager.confirm_persisted``). :class:`RunnerSim` reproduces exactly that, with:
+
+* ``executor_hop=True`` to reproduce the per-event thread-executor hop of ``log.ainfo``;
+* persistence either automatic every ``confirm_interval`` seconds (benchmarks, integration tests)
+  or manual through :meth:`RunnerSim.persist` (unit tests: no timing involved);
+* ``crash()`` to drop every unconfirmed event, as a triggerer killed before persisting would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from airflow.triggers.base import BaseEventTrigger, TriggerEvent
+from airflow.triggers.shared_stream import SharedStreamManager
+
+
+def _executor_noop() -> None:
+    return None
+
+
+@dataclass
+class _Pending:
+    trigger_id: int
+    event: TriggerEvent
+    seq: int | None
+
+
+@dataclass
+class RunnerSim:
+    manager: SharedStreamManager
+    executor_hop: bool = False
+    confirm_interval: float | None = None
+    on_persist: Callable[[int, TriggerEvent], None] | None = None
+    persisted: dict[int, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+    failures: dict[int, BaseException] = field(default_factory=dict)
+    pending: list[_Pending] = field(default_factory=list)
+    _tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    _keys: dict[int, Hashable] = field(default_factory=dict)
+    _persister: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> RunnerSim:
+        if self.confirm_interval is not None:
+            self._persister = asyncio.create_task(self._persist_loop(), name="runner-sim-persister")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- triggers --------------------------------------------------------------------------------
+    def add(self, trigger_id: int, trigger: BaseEventTrigger) -> None:
+        key = trigger.shared_stream_key()
+        if key is None:
+            raise ValueError("RunnerSim drives shared-stream triggers only")
+        self._keys[trigger_id] = key
+        self._tasks[trigger_id] = asyncio.create_task(self._run_trigger(trigger_id, trigger, key))
+
+    async def _run_trigger(self, trigger_id: int, trigger: BaseEventTrigger, key: Hashable) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            stream = self.manager.subscribe(trigger_id=trigger_id, trigger=trigger, key=key)
+            async for event in trigger.filter_shared_stream(stream):
+                if self.executor_hop:
+                    await loop.run_in_executor(None, _executor_noop)
+                seq = self.manager.bind_pending_event(trigger_id=trigger_id, key=key)
+                self.pending.append(_Pending(trigger_id, event, seq))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self.failures[trigger_id] = exc
+        finally:
+            with contextlib.suppress(Exception):
+                await self.manager.unsubscribe(trigger_id, key)
+
+    async def remove(self, trigger_id: int) -> None:
+        task = self._tasks.pop(trigger_id, None)
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def alive(self, trigger_id: int) -> bool:
+        task = self._tasks.get(trigger_id)
+        return task is not None and not task.done()
+
+    # -- persistence ----------------------------------------------------------------------------
+    def persist(self) -> int:
+        """Persist every queued event and confirm its seq (one supervisor sync round)."""
+        batch, self.pending = self.pending, []
+        seqs = []
+        for item in batch:
+            self.persisted[item.trigger_id].append(item.event.payload)
+            if self.on_persist is not None:
+                self.on_persist(item.trigger_id, item.event)
+            if item.seq is not None:
+                seqs.append(item.seq)
+        if seqs:
+            self.manager.confirm_persisted(seqs)
+        return len(batch)
+
+    def crash(self) -> int:
+        """Drop every queued, unconfirmed event (the triggerer died before persisting them)."""
+        dropped = len(self.pending)
+        self.pending = []
+        return dropped
+
+    async def _persist_loop(self) -> None:
+        assert self.confirm_interval is not None
+        while True:
+            await asyncio.sleep(self.confirm_interval)
+            self.persist()
+
+    async def stop(self) -> None:
+        if self._persister is not None:
+            self._persister.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._persister
+            self._persister = None
+        for trigger_id in list(self._tasks):
+            await self.remove(trigger_id)
+        await self.manager.stop_all()
+
+    # -- helpers --------------------------------------------------------------------------------
+    def count(self, trigger_id: int) -> int:
+        return len(self.persisted.get(trigger_id, []))
+
+    def message_ids(self, trigger_id: int) -> list[str]:
+        return [payload["message_id"] for payload in self.persisted.get(trigger_id, [])]
+
+
+async def wait_until(predicate: Callable[[], bool], *, timeout: float, interval: float = 0.01, what: str = "") -> None:
+    """Poll ``predicate`` until it is true; raise TimeoutError naming ``what`` otherwise."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() >= deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what or predicate!r}")
+        await asyncio.sleep(interval)
+
+
+async def settle(rounds: int = 50) -> None:
+    """Let every ready task run (no wall-clock wait): ``rounds`` passes of the event loop."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)

@@ -1,0 +1,34 @@
+"""Test-wide setup: an isolated AIRFLOW_HOME, and the core fixtures every suite shares."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Before anything imports airflow: never touch ~/airflow, never load example Dags.
+os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-home-tests-"))
+os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
+
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+from airflow_shared_stream_provider._core.flow import gates  # noqa: E402
+
+
+@pytest.fixture
+def queue_size(monkeypatch: pytest.MonkeyPatch) -> int:
+    """A small subscriber queue, configured where the producer reads it (Airflow config)."""
+    size = 64
+    monkeypatch.setenv("AIRFLOW__TRIGGERER__SHARED_STREAM_SUBSCRIBER_QUEUE_SIZE", str(size))
+    return size
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_flow_gates() -> Iterator[None]:
+    """Every producer and watcher must give its flow gate back."""
+    yield
+    leaked = dict(gates._gates)
+    gates._gates.clear()
+    assert not leaked, f"flow gates leaked by the test: {list(leaked)}"

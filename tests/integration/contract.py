@@ -1,0 +1,156 @@
+"""
+The contract every broker's producer passes: one test body, run against each real broker.
+
+A broker's integration package provides an ``adapter`` fixture implementing :class:`BrokerAdapter`
+(a fresh stream per test: topic / queue / subscription plus its dead-letter target) and a test
+class that inherits :class:`ContractSuite`. What only one broker has (partitions, FIFO groups,
+ordering keys, sessions, lease details) is tested next to the adapter, not here.
+
+Each test drives the real ``SharedStreamManager`` through :class:`devkit.runner.RunnerSim` and
+asserts broker state through the adapter's independent client.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from airflow.triggers.shared_stream import SharedStreamManager
+
+from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
+from devkit.runner import RunnerSim, wait_until
+
+
+class BrokerAdapter(Protocol):
+    broker: str
+
+    def make_trigger(self, **kwargs: Any) -> SharedStreamTrigger:
+        """A trigger on this test's stream, dead-letter target configured; kwargs pass through."""
+
+    async def publish(self, bodies: Sequence[bytes], *, attributes: Mapping[str, str] | None = None) -> None:
+        """Publish ``bodies`` to the stream (in order)."""
+
+    async def unsettled(self) -> int:
+        """Messages published and not yet committed / deleted / acked / completed, seen independently."""
+
+    async def dead_lettered(self) -> list[bytes]:
+        """Bodies that reached the dead-letter target so far (original bytes)."""
+
+
+def orders(count: int, *, regions: Sequence[str] = ("eu", "us", "apac")) -> list[bytes]:
+    return [
+        json.dumps({"order_id": i, "region": regions[i % len(regions)], "amount": i * 1.5}).encode()
+        for i in range(count)
+    ]
+
+
+def reject_flagged(envelope: Mapping[str, Any]) -> bool:
+    """A filter_function used by the contract: rejects orders flagged ``bad``."""
+    from airflow_shared_stream_provider import RejectMessage
+
+    body = envelope["body"]
+    if isinstance(body, dict) and body.get("bad"):
+        raise RejectMessage(f"order {body.get('order_id')} is flagged bad")
+    return True
+
+
+class ContractSuite:
+    """Inherit in a broker's integration package next to an ``adapter`` fixture."""
+
+    settle_timeout: float = 60.0
+
+    async def test_every_watcher_sees_every_message_and_the_broker_settles(self, adapter: BrokerAdapter) -> None:
+        bodies = orders(30)
+        await adapter.publish(bodies)
+        manager = SharedStreamManager(ack_timeout=60)
+        async with RunnerSim(manager, confirm_interval=0.05) as runner:
+            runner.add(1, adapter.make_trigger())
+            runner.add(2, adapter.make_trigger(match={"body.region": "eu"}))
+            runner.add(3, adapter.make_trigger(match={"body.region": ["us", "apac"]}))
+            await wait_until(lambda: runner.count(1) >= 30, timeout=self.settle_timeout, what="30 events")
+            await wait_until_settled(adapter, timeout=self.settle_timeout)
+            assert not runner.failures
+        seen = sorted(p["body"]["order_id"] for p in runner.persisted[1])
+        assert seen == list(range(30))
+        assert runner.count(2) == 10
+        assert runner.count(3) == 20
+        assert {p["body"]["region"] for p in runner.persisted[2]} == {"eu"}
+        envelope = runner.persisted[1][0]
+        assert envelope["broker"] == adapter.broker
+        assert envelope["body_encoding"] == "json"
+        assert envelope["delivery_attempt"] >= 1
+        assert len({p["message_id"] for p in runner.persisted[1]}) == 30
+
+    async def test_nothing_is_settled_before_persistence_and_a_crash_redelivers(self, adapter: BrokerAdapter) -> None:
+        await adapter.publish(orders(12))
+        manager = SharedStreamManager(ack_timeout=60)
+        async with RunnerSim(manager) as runner:  # manual persistence: nothing confirmed
+            runner.add(1, adapter.make_trigger())
+            runner.add(2, adapter.make_trigger())
+            await wait_until(lambda: len(runner.pending) >= 24, timeout=self.settle_timeout, what="24 fired events")
+            assert await adapter.unsettled() == 12, "settled before the events were persisted"
+            runner.crash()  # the triggerer dies: events never reach the DB
+        manager = SharedStreamManager(ack_timeout=60)
+        async with RunnerSim(manager, confirm_interval=0.05) as runner:
+            runner.add(1, adapter.make_trigger())
+            runner.add(2, adapter.make_trigger())
+            await wait_until_settled(adapter, timeout=self.settle_timeout)
+        for trigger_id in (1, 2):
+            assert sorted({p["body"]["order_id"] for p in runner.persisted[trigger_id]}) == list(range(12))
+
+    async def test_rejected_messages_are_dead_lettered_intact(self, adapter: BrokerAdapter) -> None:
+        good = orders(6)
+        bad = [json.dumps({"order_id": 100 + i, "bad": True}).encode() for i in range(3)]
+        await adapter.publish(good[:3] + bad + good[3:])
+        manager = SharedStreamManager(ack_timeout=60)
+        async with RunnerSim(manager, confirm_interval=0.05) as runner:
+            runner.add(1, adapter.make_trigger(filter_function="tests.integration.contract.reject_flagged"))
+            runner.add(2, adapter.make_trigger())
+            await wait_until_settled(adapter, timeout=self.settle_timeout)
+            await wait_until_async(lambda: _count_at_least(adapter, 3), timeout=self.settle_timeout)
+        assert sorted(await adapter.dead_lettered()) == sorted(bad)
+        assert sorted(p["body"]["order_id"] for p in runner.persisted[1]) == list(range(6))
+        assert runner.count(2) == 9  # the other watcher fired on every message before the reject won
+
+    async def test_oversize_message_is_dead_lettered_not_stored(self, adapter: BrokerAdapter) -> None:
+        huge = json.dumps({"order_id": 1, "blob": "x" * 5000}).encode()
+        await adapter.publish([huge, orders(1)[0]])
+        manager = SharedStreamManager(ack_timeout=60)
+        async with RunnerSim(manager, confirm_interval=0.05) as runner:
+            runner.add(1, adapter.make_trigger(max_payload_bytes=2048))
+            await wait_until_settled(adapter, timeout=self.settle_timeout)
+            await wait_until_async(lambda: _count_at_least(adapter, 1), timeout=self.settle_timeout)
+        assert await adapter.dead_lettered() == [huge]
+        assert runner.count(1) == 1
+
+    async def test_undecodable_bytes_fire_as_base64(self, adapter: BrokerAdapter) -> None:
+        await adapter.publish([b"\xff\xfe\x00binary", b"plain text"])
+        manager = SharedStreamManager(ack_timeout=60)
+        async with RunnerSim(manager, confirm_interval=0.05) as runner:
+            runner.add(1, adapter.make_trigger())
+            await wait_until_settled(adapter, timeout=self.settle_timeout)
+        encodings = sorted(p["body_encoding"] for p in runner.persisted[1])
+        assert encodings == ["base64", "text"]
+
+
+async def _count_at_least(adapter: BrokerAdapter, count: int) -> bool:
+    return len(await adapter.dead_lettered()) >= count
+
+
+async def wait_until_async(predicate: Any, *, timeout: float, interval: float = 0.1) -> None:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await predicate():
+        if loop.time() >= deadline:
+            raise TimeoutError(f"condition not met within {timeout}s")
+        await asyncio.sleep(interval)
+
+
+async def wait_until_settled(adapter: BrokerAdapter, *, timeout: float) -> None:
+    async def settled() -> bool:
+        return await adapter.unsettled() == 0
+
+    await wait_until_async(settled, timeout=timeout)
