@@ -56,9 +56,7 @@ def get_provider_info() -> dict[str, Any]:
             },
             {
                 "integration-name": "Shared Stream Azure Service Bus",
-                "python-modules": [
-                    "airflow_shared_stream_provider.triggers.servicebus"
-                ],
+                "python-modules": ["airflow_shared_stream_provider.triggers.servicebus"],
             },
         ],
         "queues": [

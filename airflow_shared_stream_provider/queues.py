@@ -40,14 +40,14 @@ class SqsSharedStreamQueueProvider(_SharedStreamQueueProvider):
 
 
 class PubSubSharedStreamQueueProvider(_SharedStreamQueueProvider):
-    """``scheme="shared+pubsub"`` -> :class:`~airflow_shared_stream_provider.triggers.pubsub.PubSubSharedStreamTrigger`."""
+    """``scheme="shared+pubsub"`` -> ``airflow_shared_stream_provider.triggers.pubsub.PubSubSharedStreamTrigger``."""
 
     scheme = "shared+pubsub"
     trigger_path = "airflow_shared_stream_provider.triggers.pubsub.PubSubSharedStreamTrigger"
 
 
 class ServiceBusSharedStreamQueueProvider(_SharedStreamQueueProvider):
-    """``scheme="shared+servicebus"`` -> :class:`~airflow_shared_stream_provider.triggers.servicebus.ServiceBusSharedStreamTrigger`."""
+    """``scheme="shared+servicebus"`` -> the Service Bus ``ServiceBusSharedStreamTrigger``."""
 
     scheme = "shared+servicebus"
     trigger_path = "airflow_shared_stream_provider.triggers.servicebus.ServiceBusSharedStreamTrigger"

@@ -191,6 +191,11 @@ class AirflowEnv:
     :param admin_password: password of the ``admin`` user of the SimpleAuthManager.
     :param parallelism: ``[core] parallelism`` (LocalExecutor worker slots).
     :param startup_timeout: seconds to wait for the components to report healthy.
+    :param api_port: api-server port (a free one by default).
+    :param python_path: directories put on ``PYTHONPATH`` of every component; default: the Dags
+        folder. Airflow 3.3 puts the Dags folder on ``sys.path`` of the Dag processor and of task
+        processes, but **not of the triggerer** (only ``$AIRFLOW_HOME/config`` and the plugins
+        folder), and the triggerer is where ``filter_function="module.func"`` is imported.
     """
 
     dags_folder: Path
@@ -205,6 +210,7 @@ class AirflowEnv:
     parallelism: int = 4
     startup_timeout: float = 300.0
     api_port: int = 0
+    python_path: tuple[Path, ...] | None = None
 
     components: dict[str, AirflowComponent] = field(default_factory=dict, init=False)
     _created_home: bool = field(default=False, init=False)
@@ -293,6 +299,11 @@ class AirflowEnv:
         env = dict(base)
         env["AIRFLOW_HOME"] = str(home)
         env["PYTHONUNBUFFERED"] = "1"
+        extra_path = [str(p) for p in (self.python_path if self.python_path is not None else (self.dags_folder,))]
+        if base.get("PYTHONPATH"):
+            extra_path.append(base["PYTHONPATH"])
+        if extra_path:
+            env["PYTHONPATH"] = os.pathsep.join(extra_path)
         env["NO_COLOR"] = "1"
         for (section, option), value in settings.items():
             env[_config_env(section, option)] = _config_value(value)

@@ -135,9 +135,11 @@ class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, 
                 broker.committed.append(raw.message_id)
             elif entry.disposition is Disposition.DEAD_LETTER:
                 broker.dead_letters.append((raw.message_id, entry.decision.reason))
+            elif entry.disposition is Disposition.HOLD:
+                raw.attempts -= 1  # nobody saw it: not a delivery attempt
+                # Back off like a real broker's hold, instead of spinning while nobody listens.
+                asyncio.get_running_loop().call_later(0.05, broker.requeue, raw)
             else:
-                if entry.disposition is Disposition.HOLD:
-                    raw.attempts -= 1  # nobody saw it: not a delivery attempt
                 broker.requeue(raw)
 
     async def _close(self) -> None:

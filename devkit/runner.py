@@ -10,7 +10,8 @@ event; the supervisor persists queued events and confirms their seqs on the next
 * ``executor_hop=True`` to reproduce the per-event thread-executor hop of ``log.ainfo``;
 * persistence either automatic every ``confirm_interval`` seconds (benchmarks, integration tests)
   or manual through :meth:`RunnerSim.persist` (unit tests: no timing involved);
-* ``crash()`` to drop every unconfirmed event, as a triggerer killed before persisting would.
+* ``crash()`` to drop every unconfirmed event, as a triggerer killed before persisting would;
+* ``withhold`` to never persist one watcher's events (its persist confirmations never arrive).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class RunnerSim:
     executor_hop: bool = False
     confirm_interval: float | None = None
     on_persist: Callable[[int, TriggerEvent], None] | None = None
+    # Trigger ids whose events are never persisted (a watcher stuck behind a broken DB write).
+    withhold: set[int] = field(default_factory=set)
     persisted: dict[int, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
     failures: dict[int, BaseException] = field(default_factory=dict)
     pending: list[_Pending] = field(default_factory=list)
@@ -97,7 +100,8 @@ class RunnerSim:
     # -- persistence ----------------------------------------------------------------------------
     def persist(self) -> int:
         """Persist every queued event and confirm its seq (one supervisor sync round)."""
-        batch, self.pending = self.pending, []
+        batch = [item for item in self.pending if item.trigger_id not in self.withhold]
+        self.pending = [item for item in self.pending if item.trigger_id in self.withhold]
         seqs = []
         for item in batch:
             self.persisted[item.trigger_id].append(item.event.payload)

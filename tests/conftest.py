@@ -10,11 +10,11 @@ os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-home-test
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
 
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Iterator
 
-import pytest  # noqa: E402
+import pytest
 
-from airflow_shared_stream_provider._core.flow import gates  # noqa: E402
+from airflow_shared_stream_provider._core.flow import gates
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ import binascii
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
 BrokerName = Literal["kafka", "sqs", "pubsub", "servicebus"]
@@ -77,10 +77,16 @@ def decode_body(data: bytes | str | None) -> tuple[Any, str]:
         except UnicodeDecodeError:
             return base64.b64encode(data).decode("ascii"), "base64"
     stripped = text.lstrip()
-    if stripped[:1] in ('{', '[', '"') or stripped[:1].isdigit() or stripped[:1] == "-" or stripped in (
-        "true",
-        "false",
-        "null",
+    if (
+        stripped[:1] in ("{", "[", '"')
+        or stripped[:1].isdigit()
+        or stripped[:1] == "-"
+        or stripped
+        in (
+            "true",
+            "false",
+            "null",
+        )
     ):
         try:
             return json.loads(text), "json"
@@ -117,11 +123,11 @@ def iso_timestamp(value: datetime | float | int | None, *, unit: Literal["s", "m
     if value is None:
         return None
     if isinstance(value, datetime):
-        moment = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+        moment = value if value.tzinfo else value.replace(tzinfo=UTC)
     else:
         seconds = float(value) / 1000.0 if unit == "ms" else float(value)
-        moment = datetime.fromtimestamp(seconds, tz=timezone.utc)
-    return moment.astimezone(timezone.utc).isoformat()
+        moment = datetime.fromtimestamp(seconds, tz=UTC)
+    return moment.astimezone(UTC).isoformat()
 
 
 def json_safe(value: Any) -> Any:

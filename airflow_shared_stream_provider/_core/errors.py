@@ -43,8 +43,7 @@ class BrokerHandleClosedError(RuntimeError):
 def missing_dependency(extra: str, package: str, exc: ImportError) -> ImportError:
     """Turn an ImportError of a broker SDK into one that says which extra to install."""
     error = ImportError(
-        f"{package} is required for this shared stream: "
-        f"pip install 'airflow-shared-stream-provider[{extra}]' ({exc})"
+        f"{package} is required for this shared stream: pip install 'airflow-shared-stream-provider[{extra}]' ({exc})"
     )
     error.__cause__ = exc
     return error

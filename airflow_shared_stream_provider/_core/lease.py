@@ -16,6 +16,7 @@ with a fake clock instead of sleeping.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -116,14 +117,14 @@ class LeaseKeeper(Generic[HandleT]):
             failed = set(await self._renew(chunk, self.lease_seconds))
             new_expiry = self._now() + self.lease_seconds
             for handle in chunk:
-                lease = self._leases.get(handle)
-                if lease is None:
+                current = self._leases.get(handle)
+                if current is None:
                     continue  # released while the renewal was in flight
                 if handle in failed:
                     del self._leases[handle]
                     self.lost.add(handle)
                 else:
-                    lease.expires_at = new_expiry
+                    current.expires_at = new_expiry
                     renewed += 1
         self.renewals += renewed
         return renewed
@@ -137,10 +138,8 @@ class LeaseKeeper(Generic[HandleT]):
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
         self._leases.clear()
 
     async def _run(self) -> None:

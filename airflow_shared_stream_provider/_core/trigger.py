@@ -72,7 +72,7 @@ class SharedStreamTrigger(BaseEventTrigger):
         filter_function: str | None = None,
         on_filter_error: FilterErrorPolicy = "reject",
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         if on_filter_error not in FILTER_ERROR_POLICIES:
             raise SharedStreamConfigError(
                 f"on_filter_error must be one of {FILTER_ERROR_POLICIES}, got {on_filter_error!r}"
@@ -107,7 +107,7 @@ class SharedStreamTrigger(BaseEventTrigger):
 
     def make_event(self, envelope: dict[str, Any]) -> TriggerEvent:
         """Build the TriggerEvent for an accepted message; its payload becomes the asset event extra."""
-        return TriggerEvent(envelope)
+        return TriggerEvent(envelope)  # type: ignore[no-untyped-call]
 
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         key = self.shared_stream_key()

@@ -40,9 +40,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from airflow_shared_stream_provider._core.dispositions import Disposition
@@ -55,6 +54,7 @@ from airflow_shared_stream_provider._core.errors import (
 )
 from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
 from airflow_shared_stream_provider.producers.kafka_config import KafkaClientConfig, kafka_client_config
+from airflow_shared_stream_provider.producers.kafka_lanes import Lane
 from airflow_shared_stream_provider.triggers.kafka import KafkaStreamSettings
 
 try:
@@ -80,21 +80,6 @@ class KafkaDelivery(Delivery):
     headers: tuple[tuple[str, bytes], ...]
 
 
-@dataclass(slots=True)
-class _Lane:
-    """One assigned partition. ``epoch`` changes on every (re)assignment."""
-
-    epoch: int
-    # Offsets yielded for the first time, in offset order; the commit point is the longest prefix
-    # of these that is in ``done``. Keeping the real offsets (not ``committed + 1``) makes gaps from
-    # compaction and transaction markers harmless.
-    yielded: deque[int] = field(default_factory=deque)
-    done: set[int] = field(default_factory=set)
-    redeliver: set[int] = field(default_factory=set)
-    high_yielded: int = -1
-    committed: int | None = None
-
-
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
     def __init__(self, producer: KafkaSharedStreamProducer) -> None:
         self._producer = producer
@@ -103,7 +88,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         self._producer._on_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
-        self._producer._on_assigned(set(assigned))
+        await self._producer._on_assigned(set(assigned))
 
 
 class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, KafkaDelivery]):
@@ -117,8 +102,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         self._consumer: AIOKafkaConsumer | None = None
         self._dlq: AIOKafkaProducer | None = None
         self._config: KafkaClientConfig | None = None
-        self._lanes: dict[TopicPartition, _Lane] = {}
-        self._attempts: dict[tuple[TopicPartition, int], int] = {}
+        self._lanes: dict[TopicPartition, Lane] = {}
         self._partial_since: float | None = None
         self._partial_detail = ""
         self._last_partial_warning = 0.0
@@ -148,7 +132,9 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
 
     async def _start_consumer(self) -> AIOKafkaConsumer:
         config = self._config = await self._load_config()
-        self.log.info("Opening Kafka shared stream %s for group %s: %s", self.source_label(), self.group_id, config.redacted())
+        self.log.info(
+            "Opening Kafka shared stream %s for group %s: %s", self.source_label(), self.group_id, config.redacted()
+        )
         consumer = AIOKafkaConsumer(
             **config.consumer,
             enable_auto_commit=False,
@@ -172,12 +158,22 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             # Commits happen eagerly in advance(); what is still in flight for this partition
             # belongs to the next owner now, and its late outcomes are ignored (epoch mismatch).
             self._lanes.pop(tp, None)
-        self._attempts = {k: v for k, v in self._attempts.items() if k[0] not in revoked}
 
-    def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+    async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         for tp in assigned:
-            self._lanes[tp] = _Lane(epoch=next(_epochs))
+            self._lanes[tp] = Lane(epoch=next(_epochs))
         self._check_assignment(assigned)
+        if assigned and self._consumer is not None:
+            # Attempt counts of held messages, stored with the last commit (see kafka_lanes).
+            try:
+                committed = await self._consumer._coordinator.fetch_committed_offsets(list(assigned))
+            except KafkaError:
+                self.log.warning("Could not read committed offsets' metadata; attempt counts restart", exc_info=True)
+                return
+            for tp, offset_and_metadata in committed.items():
+                lane = self._lanes.get(tp)
+                if lane is not None and offset_and_metadata is not None:
+                    lane.restore_attempts(offset_and_metadata.metadata)
 
     def _check_assignment(self, assigned: set[TopicPartition]) -> None:
         """Detect a partial assignment: this member must read every partition of every topic."""
@@ -241,15 +237,10 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                     continue  # revoked while the fetch was in flight
                 for record in records:
                     offset = record.offset
-                    if offset <= lane.high_yielded:
-                        if offset not in lane.redeliver:
-                            continue  # in flight or done: a replay after seek-back, not a new message
-                        lane.redeliver.discard(offset)
-                        attempt = self._attempts.get((tp, offset), 1) + 1
-                    else:
-                        lane.high_yielded = offset
-                        lane.yielded.append(offset)
-                        attempt = 1
+                    first_read = lane.admit(offset)
+                    if first_read is None:
+                        continue  # in flight or done: a replay after seek-back, not a new message
+                    attempt = lane.attempt_of(offset)
                     received += 1
                     headers = tuple(record.headers or ())
                     envelope, forced = self.envelope(
@@ -269,8 +260,9 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                         },
                     )
                     message = self.stream_message(envelope, forced)
-                    yield message, KafkaDelivery(
-                        message, attempt, tp, offset, lane.epoch, record.key, record.value, headers
+                    yield (
+                        message,
+                        KafkaDelivery(message, attempt, tp, offset, lane.epoch, record.key, record.value, headers),
                     )
             self.counters.add("received", received)
 
@@ -293,7 +285,8 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             return 0
 
     def get_advance_lane(self, broker_payload: KafkaDelivery) -> Hashable:
-        return broker_payload.tp
+        tp: Hashable = broker_payload.tp
+        return tp
 
     # -- advance -------------------------------------------------------------------------------
     async def _apply(self, decided: Sequence[Decided[KafkaDelivery]]) -> None:
@@ -314,17 +307,14 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         for entry in decided:
             delivery = entry.delivery
             if entry.disposition in (Disposition.COMMIT, Disposition.DEAD_LETTER):
-                lane.done.add(delivery.offset)
-                self._attempts.pop((tp, delivery.offset), None)
+                lane.settle(delivery.offset)
+            elif entry.disposition is Disposition.HOLD:
+                lane.hold(delivery.offset, attempts=delivery.delivery_attempt - 1)  # nobody saw it
+                replay_later = True
             else:
-                lane.redeliver.add(delivery.offset)
-                if entry.disposition is Disposition.HOLD:
-                    self._attempts[(tp, delivery.offset)] = delivery.delivery_attempt - 1
-                    replay_later = True
-                else:
-                    self._attempts[(tp, delivery.offset)] = delivery.delivery_attempt
-                    replay_now = True
-        await self._commit_prefix(consumer, tp, lane)
+                lane.hold(delivery.offset, attempts=delivery.delivery_attempt)
+                replay_now = True
+        await self._commit(consumer, tp, lane, attempts_changed=replay_now or replay_later)
         if replay_now:
             self._seek_to_redeliveries(tp, lane.epoch)
         elif replay_later:
@@ -332,17 +322,20 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             handle = loop.call_later(self.settings.hold_backoff, self._seek_to_redeliveries, tp, lane.epoch)
             self._timers.add(handle)
 
-    async def _commit_prefix(self, consumer: AIOKafkaConsumer, tp: TopicPartition, lane: _Lane) -> None:
-        last_done: int | None = None
-        while lane.yielded and lane.yielded[0] in lane.done:
-            last_done = lane.yielded.popleft()
-            lane.done.discard(last_done)
-        if last_done is None:
-            return
-        target = last_done + 1
+    async def _commit(
+        self, consumer: AIOKafkaConsumer, tp: TopicPartition, lane: Lane, *, attempts_changed: bool
+    ) -> None:
+        """Commit the done prefix; also when only the attempt counts changed (they ride along)."""
+        target = lane.commit_point()
+        if target is None:
+            if not attempts_changed:
+                return
+            target = lane.position()
+            if target is None:
+                return
         self.counters.api_calls += 1
         try:
-            await consumer.commit({tp: OffsetAndMetadata(target, "")})
+            await consumer.commit({tp: OffsetAndMetadata(target, lane.commit_metadata())})
         except (CommitFailedError, IllegalStateError) as exc:
             if tp not in consumer.assignment():
                 self.counters.add("stale_skipped")
@@ -357,11 +350,11 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
     def _seek_to_redeliveries(self, tp: TopicPartition, epoch: int) -> None:
         lane = self._lanes.get(tp)
         consumer = self._consumer
-        if lane is None or lane.epoch != epoch or not lane.redeliver or consumer is None:
+        if lane is None or lane.epoch != epoch or consumer is None or tp not in consumer.assignment():
             return
-        if tp not in consumer.assignment():
-            return
-        consumer.seek(tp, min(lane.redeliver))
+        target = lane.replay_from()
+        if target is not None:
+            consumer.seek(tp, target)
 
     async def _dead_letter(self, entries: Sequence[Decided[KafkaDelivery]]) -> None:
         topic = self.settings.dlq_topic

@@ -150,7 +150,9 @@ def kafka_client_config(conn_id: str, extras: Mapping[str, Any], *, group_id: st
         raise SharedStreamConfigError(f"connection {conn_id!r} has no bootstrap.servers in its extras")
     protocol = consumer.setdefault("security_protocol", "PLAINTEXT")
     if protocol not in _SECURITY_PROTOCOLS:
-        raise SharedStreamConfigError(f"connection {conn_id!r}: security.protocol {protocol!r} not in {_SECURITY_PROTOCOLS}")
+        raise SharedStreamConfigError(
+            f"connection {conn_id!r}: security.protocol {protocol!r} not in {_SECURITY_PROTOCOLS}"
+        )
     mechanism = consumer.get("sasl_mechanism")
     if mechanism is not None and mechanism not in _SASL_MECHANISMS:
         raise SharedStreamConfigError(f"connection {conn_id!r}: sasl.mechanism {mechanism!r} not in {_SASL_MECHANISMS}")

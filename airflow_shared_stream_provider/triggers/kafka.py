@@ -14,7 +14,9 @@ Example::
         watchers=[
             AssetWatcher(
                 name="eu_orders_watcher",
-                trigger=KafkaSharedStreamTrigger(topics=["orders"], dlq_topic="orders.dlq", match={"body.region": "eu"}),
+                trigger=KafkaSharedStreamTrigger(
+                    topics=["orders"], dlq_topic="orders.dlq", match={"body.region": "eu"}
+                ),
             )
         ],
     )

@@ -46,7 +46,7 @@ MAX_CONCURRENT_RECEIVES: Final = 10
 _REGION_IN_URL: Final = re.compile(
     r"^https?://(?:[^/]*\.)?(?:sqs\.(?P<a>[a-z]{2}(?:-[a-z]+)+-\d)|(?P<b>[a-z]{2}(?:-[a-z]+)+-\d)\.queue)\.amazonaws\.com"
 )
-_QUEUE_URL: Final = re.compile(r"^https?://[^/\s]+/[^/\s]+/[A-Za-z0-9_-]{1,75}(?:\.fifo)?/?$")
+_QUEUE_URL: Final = re.compile(r"^https?://[^/\s]+/[^/\s]+/[A-Za-z0-9_-]{1,80}(?:\.fifo)?/?$")
 
 
 def region_from_queue_url(queue_url: str) -> str | None:
@@ -103,7 +103,13 @@ class SqsStreamSettings(StreamSettings):
             raise SharedStreamConfigError(
                 f"queue_url {self.queue_url!r} is in region {url_region!r} but region_name is {self.region_name!r}"
             )
-        for name in ("wait_time_seconds", "visibility_timeout", "concurrent_receives", "hold_backoff", "reject_backoff"):
+        for name in (
+            "wait_time_seconds",
+            "visibility_timeout",
+            "concurrent_receives",
+            "hold_backoff",
+            "reject_backoff",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise SharedStreamConfigError(f"{name} must be an int (SQS takes whole seconds), got {value!r}")

@@ -1,0 +1,730 @@
+"""
+Google Pub/Sub shared-stream producer: one asyncio GAPIC subscriber for every watcher of a stream.
+
+Features: unary ``Pull`` in batches (``max_messages``, short ``pull_timeout``) on
+``google.pubsub_v1.SubscriberAsyncClient`` built inside the triggerer's event loop and closed in
+``aclose``; acks and nacks gathered across advance calls into batched ``Acknowledge`` /
+``ModifyAckDeadline`` calls; lease keeping (batched ``ModifyAckDeadline``) for messages still being
+worked on, up to the triggerer's ack timeout; exactly-once-delivery subscriptions; ordering keys as
+advance lanes.
+
+Connection (``gcp_conn_id``, the upstream ``google_cloud_platform`` shape, read directly):
+
+=========================== =======================================================================
+extra                       use
+=========================== =======================================================================
+``keyfile_dict``            service-account JSON (text or dict)
+``key_path``                path of a service-account JSON file
+``credential_config_file``  external-account (workload identity federation) JSON file or dict
+``project``                 project of a short subscription name
+``scope``                   comma-separated OAuth scopes (default cloud-platform)
+``impersonation_chain``     service account (or comma-separated / list chain) to impersonate
+``is_anonymous``            anonymous credentials
+=========================== =======================================================================
+
+Each extra may carry the old ``extra__google_cloud_platform__`` prefix. A missing connection
+means Application Default Credentials. ``key_secret_name`` (Secret Manager) is refused with an
+error naming it. When ``PUBSUB_EMULATOR_HOST`` is set (as the client library does) the emulator is
+used over an insecure channel with no credentials.
+
+Dispositions (see :mod:`airflow_shared_stream_provider._core.dispositions`):
+
+==================  ===============================================================================
+outcome             what happens on Pub/Sub
+==================  ===============================================================================
+COMMIT (acked)      ``Acknowledge`` (batched, flushed every ``ack_flush_interval``)
+DEAD_LETTER         with ``dead_letter_topic``: ``Publish`` the original data and attributes plus
+(rejected, poison,  ``x-dead-letter-*`` attributes (awaited), then ``Acknowledge``; without it:
+oversize)           ``ModifyAckDeadline(0)`` so the subscription's own dead-letter policy moves it
+                    (without such a policy the message is redelivered until it expires)
+REDELIVER (failed)  ``ModifyAckDeadline(0)``: prompt redelivery; ``delivery_attempt`` grows
+HOLD (no watcher)   ``ModifyAckDeadline(0)``: prompt redelivery, not counted as an attempt by us
+==================  ===============================================================================
+
+Lanes: a message's ordering key, else the message alone (nothing orders unkeyed messages on
+Pub/Sub, so one slow message never delays the acks of others). When a keyed message is nacked,
+later messages of that key delivered before the nack are nacked too (Pub/Sub redelivers the key
+from the nacked message), so a key's events never skip ahead of a redelivered message.
+
+Exactly-once delivery: on such subscriptions ``Acknowledge`` can fail per ack id. Transient
+failures are retried; ``PERMANENT_FAILURE_INVALID_ACK_ID`` (the lease expired) is counted in
+``leases_lost`` and logged: Pub/Sub redelivers the message, so its events may fire twice (never
+zero times). A call that keeps failing for every id is surfaced: the pull loop raises it and the
+group terminates (every watcher sees the error, unacked messages are redelivered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from airflow_shared_stream_provider._core.dispositions import Disposition
+from airflow_shared_stream_provider._core.envelope import iso_timestamp
+from airflow_shared_stream_provider._core.errors import (
+    BrokerHandleClosedError,
+    SharedStreamConfigError,
+    missing_dependency,
+)
+from airflow_shared_stream_provider._core.lease import LeaseKeeper
+from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
+from airflow_shared_stream_provider.triggers.pubsub import PubSubStreamSettings
+
+try:
+    import grpc
+    from google.api_core import exceptions as gexc
+    from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
+    from google.pubsub_v1.services.publisher.transports.grpc_asyncio import PublisherGrpcAsyncIOTransport
+    from google.pubsub_v1.services.subscriber.transports.grpc_asyncio import SubscriberGrpcAsyncIOTransport
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    raise missing_dependency("pubsub", "google-cloud-pubsub", _exc) from _exc
+
+if TYPE_CHECKING:
+    from google.auth.credentials import Credentials
+
+EXTRA_PREFIX: Final = "extra__google_cloud_platform__"
+CLOUD_PLATFORM_SCOPE: Final = "https://www.googleapis.com/auth/cloud-platform"
+ACK_BATCH: Final = 1000  # ack ids per Acknowledge / ModifyAckDeadline call (request size < 512 KiB)
+PUBLISH_BATCH: Final = 100  # dead-letter messages per Publish call
+PUBLISH_BATCH_BYTES: Final = 8 * 1024 * 1024
+MAX_ATTRIBUTES: Final = 100
+MAX_ATTRIBUTE_VALUE: Final = 1024
+RPC_RETRIES: Final = 5
+DEFAULT_SUBSCRIPTION_DEADLINE: Final = 10
+ATTEMPTS_MEMORY: Final = 100_000
+EOD_FAILURE_REASON: Final = "EXACTLY_ONCE_ACKID_FAILURE"
+# Errors worth retrying for unary calls (the server is busy, restarting or briefly unreachable).
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    gexc.ServiceUnavailable,
+    gexc.InternalServerError,
+    gexc.Aborted,
+    gexc.DeadlineExceeded,
+    gexc.ResourceExhausted,
+    gexc.Unknown,
+)
+
+
+@dataclass(slots=True)
+class PubSubDelivery(Delivery):
+    """What ``advance`` needs of one Pub/Sub message."""
+
+    ack_id: str
+    message_id: str
+    ordering_key: str
+    pull_index: int
+    data: bytes
+    attributes: Mapping[str, str]
+    published_at: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PubSubConnection:
+    """What the producer took from the Airflow connection (never logged: holds credentials)."""
+
+    credentials: Credentials | None
+    project: str | None
+    emulator_host: str | None
+
+
+def _extra(extras: Mapping[str, Any], name: str) -> Any:
+    value = extras.get(name)
+    if value in (None, ""):
+        value = extras.get(EXTRA_PREFIX + name)
+    return None if value == "" else value
+
+
+def _chain(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, list | tuple):
+        return [str(part).strip() for part in value if str(part).strip()]
+    raise SharedStreamConfigError(f"impersonation_chain must be a string or a list, got {type(value).__name__}")
+
+
+async def load_connection(conn_id: str) -> PubSubConnection:
+    """Read ``conn_id`` (upstream ``google_cloud_platform`` shape) and build credentials."""
+    from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    extras: dict[str, Any] = {}
+    try:
+        connection = await BaseHook.aget_connection(conn_id)
+    except AirflowNotFoundException:
+        connection = None
+    if connection is not None:
+        extras = dict(connection.extra_dejson or {})
+    if _extra(extras, "key_secret_name"):
+        raise SharedStreamConfigError(
+            f"connection {conn_id!r}: extra 'key_secret_name' (key in Secret Manager) is not supported by the "
+            "shared-stream provider; use keyfile_dict, key_path or Application Default Credentials"
+        )
+    project = _extra(extras, "project")
+    emulator_host = os.environ.get("PUBSUB_EMULATOR_HOST") or None
+    if emulator_host:
+        return PubSubConnection(credentials=None, project=project, emulator_host=emulator_host)
+    credentials, cred_project = await asyncio.to_thread(_build_credentials, conn_id, extras)
+    return PubSubConnection(credentials=credentials, project=project or cred_project, emulator_host=None)
+
+
+def _build_credentials(conn_id: str, extras: Mapping[str, Any]) -> tuple[Credentials, str | None]:
+    """Blocking (files, metadata server): run in a thread."""
+    import google.auth
+    import google.auth.exceptions
+    from google.auth import credentials as auth_credentials
+    from google.auth import impersonated_credentials
+    from google.oauth2 import service_account
+
+    scope_text = _extra(extras, "scope")
+    scopes = [s.strip() for s in str(scope_text).split(",") if s.strip()] if scope_text else [CLOUD_PLATFORM_SCOPE]
+    keyfile_dict = _extra(extras, "keyfile_dict")
+    key_path = _extra(extras, "key_path")
+    config_file = _extra(extras, "credential_config_file")
+    project: str | None = None
+    credentials: Any
+    try:
+        if str(_extra(extras, "is_anonymous")).lower() == "true":
+            credentials = auth_credentials.AnonymousCredentials()  # type: ignore[no-untyped-call]
+        elif keyfile_dict:
+            info = json.loads(keyfile_dict) if isinstance(keyfile_dict, str) else dict(keyfile_dict)
+            credentials = service_account.Credentials.from_service_account_info(info, scopes=scopes)  # type: ignore[no-untyped-call]
+            project = info.get("project_id")
+        elif key_path:
+            if str(key_path).endswith(".p12"):
+                raise SharedStreamConfigError(f"connection {conn_id!r}: legacy P12 key_path files are not supported")
+            credentials = service_account.Credentials.from_service_account_file(str(key_path), scopes=scopes)  # type: ignore[no-untyped-call]
+            project = credentials.project_id
+        elif config_file:
+            if isinstance(config_file, Mapping):
+                credentials, project = google.auth.load_credentials_from_dict(dict(config_file), scopes=scopes)  # type: ignore[no-untyped-call]
+            else:
+                credentials, project = google.auth.load_credentials_from_file(str(config_file), scopes=scopes)  # type: ignore[no-untyped-call]
+        else:
+            credentials, project = google.auth.default(scopes=scopes)
+    except SharedStreamConfigError:
+        raise
+    except (ValueError, OSError, google.auth.exceptions.GoogleAuthError) as exc:
+        # The message names the extra but never echoes its value (it may be a private key).
+        source = (
+            "keyfile_dict"
+            if keyfile_dict
+            else "key_path"
+            if key_path
+            else "credential_config_file"
+            if config_file
+            else "Application Default Credentials"
+        )
+        raise SharedStreamConfigError(
+            f"connection {conn_id!r}: cannot load Google credentials from {source}: {type(exc).__name__}"
+        ) from None
+    chain = _chain(_extra(extras, "impersonation_chain"))
+    if chain:
+        credentials = impersonated_credentials.Credentials(  # type: ignore[no-untyped-call]
+            source_credentials=credentials,
+            target_principal=chain[-1],
+            delegates=chain[:-1] or None,
+            target_scopes=scopes,
+        )
+    return credentials, project
+
+
+def ack_failures(exc: BaseException) -> dict[str, str] | None:
+    """
+    Per-ack-id failures of an exactly-once subscription's ``Acknowledge`` / ``ModifyAckDeadline``.
+
+    Pub/Sub reports them as an ``ErrorInfo`` (reason ``EXACTLY_ONCE_ACKID_FAILURE``) whose metadata
+    maps ack ids to ``PERMANENT_FAILURE_*`` / ``TRANSIENT_FAILURE_*``. ``None`` when the error does
+    not carry such a map (a plain RPC error).
+    """
+    metadata = getattr(exc, "metadata", None)
+    if getattr(exc, "reason", None) == EOD_FAILURE_REASON and isinstance(metadata, Mapping):
+        return {str(k): str(v) for k, v in metadata.items()}
+    for detail in getattr(exc, "details", None) or ():
+        if getattr(detail, "reason", None) == EOD_FAILURE_REASON:
+            return {str(k): str(v) for k, v in dict(detail.metadata).items()}
+    return None
+
+
+class _AckBuffer:
+    """Ack ids waiting for the next batched call, plus the call's error to surface."""
+
+    __slots__ = ("acks", "fatal", "nacks")
+
+    def __init__(self) -> None:
+        self.acks: list[str] = []
+        self.nacks: list[str] = []
+        self.fatal: BaseException | None = None
+
+
+class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, PubSubDelivery]):
+    """One subscriber client, one pull loop, for every watcher of a subscription (see module doc)."""
+
+    broker = "pubsub"
+
+    def __init__(self, settings: PubSubStreamSettings, *, stream_key: Hashable) -> None:
+        self.subscription_path: str | None = None  # resolved in open_stream (project may come from the connection)
+        super().__init__(settings, stream_key=stream_key)
+        self._subscriber: SubscriberAsyncClient | None = None
+        self._publisher: PublisherAsyncClient | None = None
+        self.dead_letter_topic_path: str | None = None
+        self.exactly_once = False
+        self.has_dead_letter_policy = False
+        self.subscription_ack_deadline = DEFAULT_SUBSCRIPTION_DEADLINE
+        self._buffer = _AckBuffer()
+        self._flush_wakeup: asyncio.Event | None = None
+        self._flusher: asyncio.Task[None] | None = None
+        self._flush_lock: asyncio.Lock | None = None
+        self._leases: LeaseKeeper[str] | None = None
+        self._pulls_started = 0
+        # ordering key -> pulls started when a message of that key was last nacked: messages of
+        # the key from pulls up to that one were delivered before the nack and must follow it.
+        self._key_barriers: dict[str, int] = {}
+        # Ack ids yielded and not yet advanced: nacked on close so Pub/Sub redelivers them at once.
+        self._unresolved: set[str] = set()
+        # message id -> deliveries seen by this producer, for the poison cap when the subscription
+        # has no dead-letter policy (Pub/Sub only counts attempts when it has one).
+        self._attempts: OrderedDict[str, int] = OrderedDict()
+        self.pull_calls = 0
+        self.ack_calls = 0
+        self.modify_calls = 0
+        self.publish_calls = 0
+
+    # -- identity ------------------------------------------------------------------------------
+    def source_label(self) -> str:
+        return self.subscription_path or self.settings.subscription
+
+    def get_advance_lane(self, broker_payload: Any) -> Hashable:
+        delivery: PubSubDelivery = broker_payload
+        if delivery.ordering_key:
+            return ("ordering_key", delivery.ordering_key)
+        return delivery.ack_id
+
+    # -- connecting ----------------------------------------------------------------------------
+    async def _connect(self) -> SubscriberAsyncClient:
+        settings = self.settings
+        connection = await load_connection(settings.gcp_conn_id)
+        self.subscription_path = settings.subscription_path(connection.project)
+        self.dead_letter_topic_path = settings.dead_letter_topic_path(self.subscription_path)
+        if connection.emulator_host:
+            options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+            self._subscriber = SubscriberAsyncClient(
+                transport=SubscriberGrpcAsyncIOTransport(
+                    channel=grpc.aio.insecure_channel(connection.emulator_host, options=options)
+                )
+            )
+            if self.dead_letter_topic_path:
+                self._publisher = PublisherAsyncClient(
+                    transport=PublisherGrpcAsyncIOTransport(
+                        channel=grpc.aio.insecure_channel(connection.emulator_host, options=options)
+                    )
+                )
+        else:
+            self._subscriber = SubscriberAsyncClient(credentials=connection.credentials)
+            if self.dead_letter_topic_path:
+                self._publisher = PublisherAsyncClient(credentials=connection.credentials)
+        await self._inspect_subscription(self._subscriber)
+        return self._subscriber
+
+    async def _inspect_subscription(self, client: SubscriberAsyncClient) -> None:
+        """Check the subscription exists and learn its ack deadline, exactly-once and dead-letter policy."""
+        path = self.subscription_path
+        try:
+            subscription = await client.get_subscription(request={"subscription": path}, timeout=30)
+        except gexc.NotFound:
+            raise SharedStreamConfigError(f"Pub/Sub subscription {path!r} does not exist") from None
+        except gexc.PermissionDenied:
+            # pubsub.subscriptions.get is not needed to consume: assume the conservative defaults.
+            self.log.warning(
+                "No permission to read subscription %s; assuming a %ss ack deadline and exactly-once delivery",
+                path,
+                DEFAULT_SUBSCRIPTION_DEADLINE,
+            )
+            self.exactly_once = True
+            return
+        self.counters.add("api_calls")
+        self.subscription_ack_deadline = subscription.ack_deadline_seconds or DEFAULT_SUBSCRIPTION_DEADLINE
+        self.exactly_once = bool(subscription.enable_exactly_once_delivery)
+        self.has_dead_letter_policy = bool(subscription.dead_letter_policy.dead_letter_topic)
+        if self.dead_letter_topic_path is None and not self.has_dead_letter_policy:
+            self.log.warning(
+                "Subscription %s has no dead-letter policy and no dead_letter_topic is set: rejected and "
+                "poison messages are nacked and redelivered until they expire",
+                path,
+            )
+
+    def _make_lease_keeper(self) -> LeaseKeeper[str]:
+        lease = float(self.settings.ack_deadline_seconds)
+        first = float(self.subscription_ack_deadline)
+        margin = max(1.0, min(lease, first) / 3)
+        return LeaseKeeper(
+            renew=self._renew_leases,
+            lease_seconds=lease,
+            renew_margin=margin,
+            max_hold=self.ack_timeout + lease,
+            batch_size=ACK_BATCH,
+            name=f"pubsub-leases[{self.subscription_path}]",
+        )
+
+    # -- the pull loop ---------------------------------------------------------------------------
+    async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
+        client = await self._connect()
+        self._leases = leases = self._make_lease_keeper()
+        leases.start()
+        self._flush_wakeup = asyncio.Event()
+        self._flush_lock = asyncio.Lock()
+        self._flusher = asyncio.create_task(self._flush_loop(), name=f"pubsub-acks[{self.subscription_path}]")
+        settings = self.settings
+        path = self.subscription_path
+        source = self.source_label()
+        backoff = 0.1
+        while True:
+            if self._buffer.fatal is not None:
+                raise self._buffer.fatal
+            credit = await self.wait_for_credit()
+            self._pulls_started += 1
+            pull_index = self._pulls_started
+            started = time.monotonic()
+            try:
+                response = await client.pull(
+                    request={"subscription": path, "max_messages": min(credit, settings.max_messages)},
+                    timeout=settings.pull_timeout,
+                    retry=None,
+                )
+            except gexc.DeadlineExceeded:
+                self.pull_calls += 1
+                self.counters.add("api_calls")
+                continue  # nothing arrived within pull_timeout
+            except gexc.NotFound:
+                raise SharedStreamConfigError(f"Pub/Sub subscription {path!r} does not exist") from None
+            except gexc.PermissionDenied as exc:
+                raise SharedStreamConfigError(f"no permission to pull from {path!r}: {exc.message}") from None
+            except _TRANSIENT as exc:
+                self.log.warning("Pull from %s failed (%s); retrying in %.1fs", path, type(exc).__name__, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            self.pull_calls += 1
+            self.counters.add("api_calls")
+            backoff = 0.1
+            received = response.received_messages
+            if not received:
+                continue
+            self.counters.add("received", len(received))
+            # The server started each lease when it answered; the request start is a safe lower bound.
+            lease_end = started + self.subscription_ack_deadline
+            for item in received:
+                msg = item.message
+                message_id = msg.message_id
+                attempt = self._attempt_of(message_id, int(item.delivery_attempt or 0))
+                attributes = dict(msg.attributes)
+                published_at = iso_timestamp(msg.publish_time) if msg.publish_time else None
+                data = bytes(msg.data)
+                envelope, forced = self.envelope(
+                    source=source,
+                    message_id=message_id,
+                    body=data,
+                    attributes=attributes,
+                    published_at=published_at,
+                    delivery_attempt=attempt,
+                    metadata={"ordering_key": msg.ordering_key or None},
+                )
+                leases.track(item.ack_id, lease_expires_at=lease_end)
+                self._unresolved.add(item.ack_id)
+                message = self.stream_message(envelope, forced)
+                yield (
+                    message,
+                    PubSubDelivery(
+                        message,
+                        attempt,
+                        ack_id=item.ack_id,
+                        message_id=message_id,
+                        ordering_key=msg.ordering_key,
+                        pull_index=pull_index,
+                        data=data,
+                        attributes=attributes,
+                        published_at=published_at,
+                    ),
+                )
+
+    def _attempt_of(self, message_id: str, server_attempt: int) -> int:
+        """Pub/Sub's ``delivery_attempt`` when it counts (dead-letter policy), else ours."""
+        if server_attempt > 0:
+            return server_attempt
+        attempt = self._attempts.get(message_id, 0) + 1
+        self._attempts[message_id] = attempt
+        self._attempts.move_to_end(message_id)
+        if len(self._attempts) > ATTEMPTS_MEMORY:
+            self._attempts.popitem(last=False)
+        return attempt
+
+    # -- advancing -------------------------------------------------------------------------------
+    async def _apply(self, decided: Sequence[Decided[PubSubDelivery]]) -> None:
+        if self._subscriber is None or self._closed:
+            raise BrokerHandleClosedError(f"Pub/Sub producer for {self.source_label()} is closed")
+        acks: list[str] = []
+        nacks: list[str] = []
+        ordered_nacks: list[PubSubDelivery] = []
+        dead: list[Decided[PubSubDelivery]] = []
+        for entry in decided:
+            delivery = entry.delivery
+            disposition = entry.disposition
+            key = delivery.ordering_key
+            if key and disposition is Disposition.COMMIT:
+                barrier = self._key_barriers.get(key)
+                if barrier is not None:
+                    if delivery.pull_index <= barrier:
+                        # Delivered before an earlier message of its key was nacked: Pub/Sub will
+                        # redeliver the key from that message, so this one must follow it again.
+                        disposition = Disposition.REDELIVER
+                    else:
+                        del self._key_barriers[key]
+            if disposition is Disposition.COMMIT:
+                acks.append(delivery.ack_id)
+                self._attempts.pop(delivery.message_id, None)
+            elif disposition is Disposition.DEAD_LETTER:
+                dead.append(entry)
+                self._attempts.pop(delivery.message_id, None)
+            else:
+                if disposition is Disposition.HOLD:
+                    self._forget_attempt(delivery.message_id)
+                if key:
+                    ordered_nacks.append(delivery)
+                    # Later messages of the key in this very batch follow it too.
+                    self._key_barriers[key] = max(self._key_barriers.get(key, 0), self._pulls_started)
+                else:
+                    nacks.append(delivery.ack_id)
+        if dead:
+            if self.dead_letter_topic_path is not None:
+                await self._publish_dead_letters(dead)
+                acks.extend(entry.delivery.ack_id for entry in dead)
+            else:
+                nacks.extend(entry.delivery.ack_id for entry in dead)
+                for entry in dead:
+                    self.log.warning(
+                        "Message %s from %s nacked for the subscription's dead-letter policy: %s",
+                        entry.delivery.message_id,
+                        self.source_label(),
+                        entry.decision.reason,
+                    )
+        leases = self._leases
+        unresolved = self._unresolved
+        for entry in decided:
+            unresolved.discard(entry.delivery.ack_id)
+            if leases is not None:
+                leases.release(entry.delivery.ack_id)
+        if ordered_nacks:
+            # Sent now, not buffered: the barrier must cover every pull that could still hand out
+            # later messages of the key before Pub/Sub saw the nack.
+            await self._send("modify", [d.ack_id for d in ordered_nacks])
+            for delivery in ordered_nacks:
+                self._key_barriers[delivery.ordering_key] = self._pulls_started
+        if acks or nacks:
+            self._buffer.acks.extend(acks)
+            self._buffer.nacks.extend(nacks)
+            if self._flush_wakeup is not None:
+                self._flush_wakeup.set()
+
+    def _forget_attempt(self, message_id: str) -> None:
+        count = self._attempts.get(message_id)
+        if count is not None:
+            if count <= 1:
+                del self._attempts[message_id]
+            else:
+                self._attempts[message_id] = count - 1
+
+    async def _publish_dead_letters(self, dead: Sequence[Decided[PubSubDelivery]]) -> None:
+        publisher = self._publisher
+        topic = self.dead_letter_topic_path
+        assert publisher is not None and topic is not None
+        batch: list[dict[str, Any]] = []
+        size = 0
+        for entry in dead:
+            message = self._dead_letter_message(entry)
+            message_size = len(message["data"]) + sum(len(k) + len(v) for k, v in message["attributes"].items())
+            if batch and (len(batch) >= PUBLISH_BATCH or size + message_size > PUBLISH_BATCH_BYTES):
+                await self._publish(publisher, topic, batch)
+                batch, size = [], 0
+            batch.append(message)
+            size += message_size
+        if batch:
+            await self._publish(publisher, topic, batch)
+
+    def _dead_letter_message(self, entry: Decided[PubSubDelivery]) -> dict[str, Any]:
+        delivery = entry.delivery
+        extra = {
+            "x-dead-letter-reason": entry.decision.reason[: MAX_ATTRIBUTE_VALUE - 1],
+            "x-dead-letter-source": self.source_label(),
+            "x-dead-letter-message-id": delivery.message_id,
+            "x-dead-letter-delivery-attempt": str(delivery.delivery_attempt),
+            "x-dead-letter-published-at": delivery.published_at or "",
+            "x-dead-letter-ordering-key": delivery.ordering_key,
+        }
+        attributes = dict(delivery.attributes)
+        for name, value in extra.items():
+            if len(attributes) >= MAX_ATTRIBUTES:
+                break  # the original attributes come first: never drop one of those
+            if value:
+                attributes[name] = value
+        return {"data": delivery.data, "attributes": attributes}
+
+    async def _publish(self, publisher: PublisherAsyncClient, topic: str, messages: list[dict[str, Any]]) -> None:
+        for attempt in range(RPC_RETRIES):
+            try:
+                await publisher.publish(request={"topic": topic, "messages": messages}, timeout=30, retry=None)
+            except gexc.NotFound:
+                raise SharedStreamConfigError(f"dead_letter_topic {topic!r} does not exist") from None
+            except _TRANSIENT:
+                if attempt == RPC_RETRIES - 1:
+                    raise
+                await asyncio.sleep(0.2 * 2**attempt)
+                continue
+            finally:
+                self.publish_calls += 1
+                self.counters.add("api_calls")
+            return
+
+    # -- batched acks / nacks --------------------------------------------------------------------
+    async def _flush_loop(self) -> None:
+        wakeup = self._flush_wakeup
+        assert wakeup is not None
+        interval = self.settings.ack_flush_interval
+        while True:
+            await wakeup.wait()
+            if interval > 0 and len(self._buffer.acks) + len(self._buffer.nacks) < ACK_BATCH:
+                await asyncio.sleep(interval)
+            wakeup.clear()
+            try:
+                await self.flush()
+            except Exception as exc:  # surfaced through the pull loop
+                self.log.error("Acknowledging on %s failed; terminating the stream", self.source_label(), exc_info=True)
+                self._buffer.fatal = exc
+                return
+
+    async def flush(self) -> None:
+        """Send every buffered ack and nack now."""
+        lock = self._flush_lock
+        if lock is None:
+            return
+        async with lock:
+            buffer = self._buffer
+            while buffer.acks or buffer.nacks:
+                acks, buffer.acks = buffer.acks, []
+                nacks, buffer.nacks = buffer.nacks, []
+                for start in range(0, len(acks), ACK_BATCH):
+                    await self._send("ack", acks[start : start + ACK_BATCH])
+                for start in range(0, len(nacks), ACK_BATCH):
+                    await self._send("modify", nacks[start : start + ACK_BATCH])
+
+    async def _send(self, kind: str, ack_ids: Sequence[str], deadline: int = 0) -> list[str]:
+        """
+        ``Acknowledge`` (``kind="ack"``) or ``ModifyAckDeadline`` a batch; return the ids that failed for good.
+
+        Transient errors are retried (for exactly-once subscriptions only the ids Pub/Sub reported
+        as transient). A permanent per-id failure (exactly-once: the ack id expired) is returned and
+        counted, never reported as done. An error for the whole call that outlasts the retries is
+        raised.
+        """
+        client = self._subscriber
+        if client is None:
+            raise BrokerHandleClosedError(f"Pub/Sub producer for {self.source_label()} is closed")
+        pending = list(ack_ids)
+        lost: list[str] = []
+        attempt = 0
+        while pending:
+            try:
+                if kind == "ack":
+                    self.ack_calls += 1
+                    await client.acknowledge(
+                        request={"subscription": self.subscription_path, "ack_ids": pending}, timeout=30, retry=None
+                    )
+                else:
+                    self.modify_calls += 1
+                    await client.modify_ack_deadline(
+                        request={
+                            "subscription": self.subscription_path,
+                            "ack_ids": pending,
+                            "ack_deadline_seconds": deadline,
+                        },
+                        timeout=30,
+                        retry=None,
+                    )
+                self.counters.add("api_calls")
+                break
+            except gexc.GoogleAPICallError as exc:
+                self.counters.add("api_calls")
+                failures = ack_failures(exc)
+                attempt += 1
+                if failures is not None:
+                    permanent = [ack_id for ack_id in pending if failures.get(ack_id, "").startswith("PERMANENT")]
+                    transient = [
+                        ack_id
+                        for ack_id in pending
+                        if ack_id in failures and not failures[ack_id].startswith("PERMANENT")
+                    ]
+                    lost.extend(permanent)
+                    pending = transient
+                elif isinstance(exc, gexc.InvalidArgument) and len(pending) > 1:
+                    # One bad id fails the whole call (the emulator does this): isolate it.
+                    for ack_id in pending:
+                        lost.extend(await self._send(kind, [ack_id], deadline))
+                    pending = []
+                elif isinstance(exc, gexc.InvalidArgument):
+                    lost.extend(pending)
+                    pending = []
+                elif not isinstance(exc, _TRANSIENT) or attempt >= RPC_RETRIES:
+                    raise
+                if pending:
+                    if attempt >= RPC_RETRIES:
+                        lost.extend(pending)
+                        break
+                    await asyncio.sleep(0.1 * 2 ** (attempt - 1))
+        if lost:
+            self.counters.add("leases_lost", len(lost))
+            if kind == "ack":
+                self.log.warning(
+                    "%d ack(s) on %s were refused (lease expired); Pub/Sub redelivers those messages",
+                    len(lost),
+                    self.source_label(),
+                )
+        return lost
+
+    async def _renew_leases(self, ack_ids: Sequence[str], lease_seconds: float) -> Sequence[str]:
+        lost = await self._send("modify", ack_ids, int(lease_seconds))
+        self.counters.add("leases_renewed", len(ack_ids) - len(lost))
+        return lost
+
+    # -- closing ---------------------------------------------------------------------------------
+    async def _close(self) -> None:
+        if self._leases is not None:
+            await self._leases.stop()
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+        try:
+            if self._subscriber is not None and self._buffer.fatal is None:
+                # Acks already decided are sent before the channel closes (fewer duplicates), and
+                # messages nobody finished are handed back now instead of when their lease lapses.
+                self._buffer.nacks.extend(self._unresolved)
+                self._unresolved.clear()
+                await asyncio.wait_for(self.flush(), timeout=10)
+        except Exception:
+            self.log.warning("Final ack flush on %s failed; Pub/Sub redelivers", self.source_label(), exc_info=True)
+        finally:
+            await _close_clients([self._subscriber, self._publisher])
+            self._subscriber = self._publisher = None
+
+
+async def _close_clients(clients: Iterable[SubscriberAsyncClient | PublisherAsyncClient | None]) -> None:
+    for client in clients:
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.transport.close()  # type: ignore[no-untyped-call]

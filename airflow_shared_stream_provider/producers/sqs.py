@@ -1,0 +1,885 @@
+"""
+SQS producer for shared streams: one aiobotocore client and one long-polling receive loop per queue.
+
+Receive: ``ReceiveMessage`` with ``WaitTimeSeconds`` (long polling), up to 10 messages a call and
+never more than the watchers' credit, every system and message attribute; ``concurrent_receives``
+calls may be in flight at once. Each message becomes one envelope (``message_id`` = SQS
+MessageId, ``delivery_attempt`` = ApproximateReceiveCount less the times it was only held,
+``published_at`` = SentTimestamp, ``attributes`` = message attributes) broadcast to every watcher.
+
+Lanes:
+
+* **FIFO queues**: the MessageGroupId. Order is kept per group and groups never wait for one
+  another, which matters because SQS hands out no further message of a group while one of its
+  messages is in flight: a group stalled behind a slow watcher must not keep another group's
+  messages from being deleted.
+* **Standard queues**: the receive call the message came from (at most 10 messages). Not one lane
+  per message, on purpose: the manager awaits one ``advance`` at a time, so one-message lanes mean
+  one ``DeleteMessageBatch`` call per message (5x the 0.2 calls/message budget), or deleting after
+  ``advance`` has returned, which would report a delete as done before it is. With the receive
+  call as the lane, the messages that arrived together are deleted together, and a slow message
+  holds back at most the 9 others of its call (their leases are kept, so SQS does not redeliver
+  them). Standard queues have no ordering to keep.
+
+==================  ===============================================================================
+outcome             what happens on SQS
+==================  ===============================================================================
+acked (COMMIT)      ``DeleteMessageBatch``. Entries that fail on the server side are retried (3
+                    attempts, backoff); if they still fail, ``advance`` raises, the manager ends the
+                    group and the message comes back after its visibility timeout: a failed delete
+                    is never counted as committed. An entry whose receipt handle is no longer valid
+                    (lease lost, see below) is counted as redelivered, not committed.
+rejected            ``SendMessageBatch`` to ``dlq_queue_url`` (original body and message attributes,
+(DEAD_LETTER)       plus ``x-dead-letter-reason`` / ``-source`` / ``-message-id`` while SQS's 10-
+                    attribute limit allows), retried like deletes, **then** deleted. Without a DLQ:
+                    never deleted (never lost): the message is made invisible for ``reject_backoff``
+                    seconds and logged; a RedrivePolicy on the queue then moves it to the queue's
+                    own DLQ after its ``maxReceiveCount``.
+failed (REDELIVER)  ``ChangeMessageVisibilityBatch`` to 0: delivered again promptly.
+poison              a failed message whose ApproximateReceiveCount reached ``max_delivery_attempts``
+                    is dead-lettered as above instead of redelivered again.
+zero-subscriber     visibility set to ``hold_backoff`` seconds (default 1); the hold is not counted
+(HOLD)              as a delivery attempt.
+FIFO order          after a message of a group is redelivered or held, the messages of that group
+                    received with it are released too (not deleted), so the group is read again in
+                    order, as Kafka's seek back does. Watchers see those again (dedup on
+                    ``message_id``).
+lease lost          the lease keeper extends the visibility of every message watchers still work on
+                    (``ChangeMessageVisibilityBatch``, 10 per call) until the ack timeout. If SQS
+                    refuses an extension (the message already became visible), it is counted in
+                    ``leases_lost``: SQS may deliver it again, so watchers may see it twice.
+advance raises      the group ends; undeleted messages come back after their visibility timeout.
+crash / restart     nothing undeleted is lost: messages come back after ``visibility_timeout``
+                    (default 30 s) with ApproximateReceiveCount + 1. A clean stop releases the
+                    messages still in flight at once (visibility 0).
+==================  ===============================================================================
+
+Binary bodies: SQS bodies are text. Publish bytes as base64 with the message attribute
+``content-transfer-encoding: base64``; the producer decodes them, so the envelope carries JSON,
+text, or base64 with ``body_encoding="base64"`` for bytes that are not UTF-8. Dead-lettering always
+re-sends the body exactly as received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar, Final, NamedTuple
+
+from airflow_shared_stream_provider._core.dispositions import Decision, Disposition
+from airflow_shared_stream_provider._core.envelope import iso_timestamp, text_value
+from airflow_shared_stream_provider._core.errors import (
+    BrokerHandleClosedError,
+    SharedStreamConfigError,
+    missing_dependency,
+)
+from airflow_shared_stream_provider._core.lease import LeaseKeeper
+from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
+from airflow_shared_stream_provider.triggers.sqs import SqsStreamSettings, region_from_queue_url
+
+try:
+    from aiobotocore.config import AioConfig
+    from aiobotocore.credentials import AioDeferredRefreshableCredentials
+    from aiobotocore.session import AioSession, get_session
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        NoRegionError,
+        PartialCredentialsError,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise missing_dependency("sqs", "aiobotocore", exc) from exc
+
+SQS_BATCH: Final = 10
+MAX_MESSAGE_ATTRIBUTES: Final = 10
+TRANSFER_ENCODING_ATTRIBUTE: Final = "content-transfer-encoding"
+DEAD_LETTER_REASON: Final = "x-dead-letter-reason"
+DEAD_LETTER_SOURCE: Final = "x-dead-letter-source"
+DEAD_LETTER_MESSAGE_ID: Final = "x-dead-letter-message-id"
+_ENTRY_RETRIES: Final = 3
+_RETRY_BASE_DELAY: Final = 0.2
+_RECEIVE_ERROR_LIMIT: Final = 5
+_CLOSE_RELEASE_TIMEOUT: Final = 5.0
+_HOLD_MEMORY: Final = 10_000
+# Per-entry error codes meaning "this receipt handle no longer holds the message": retrying cannot
+# help, and the message is (or will be) visible again, so it is redelivered, not lost.
+_LEASE_GONE_CODES: Final = frozenset(
+    {
+        "ReceiptHandleIsInvalid",
+        "InvalidParameterValue",
+        "MessageNotInflight",
+        "AWS.SimpleQueueService.MessageNotInflight",
+    }
+)
+_MISSING_QUEUE_CODES: Final = frozenset(
+    {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist", "NonExistentQueue"}
+)
+_BAD_CREDENTIAL_CODES: Final = frozenset(
+    {
+        "InvalidClientTokenId",
+        "UnrecognizedClientException",
+        "SignatureDoesNotMatch",
+        "InvalidAccessKeyId",
+        "ExpiredToken",
+        "InvalidSecurity",
+        "MissingAuthenticationToken",
+    }
+)
+_DENIED_CODES: Final = frozenset({"AccessDenied", "AccessDeniedException", "KMS.AccessDeniedException"})
+_THROTTLE_CODES: Final = frozenset(
+    {"ThrottlingException", "RequestThrottled", "Throttling", "ServiceUnavailable", "InternalError", "InternalFailure"}
+)
+_FORWARDED_CONFIG_KWARGS: Final = frozenset(
+    {
+        "connect_timeout",
+        "read_timeout",
+        "retries",
+        "max_pool_connections",
+        "proxies",
+        "user_agent_extra",
+        "tcp_keepalive",
+    }
+)
+_FIFO_RELEASE: Final = Decision(Disposition.REDELIVER, "released to keep FIFO order behind a redelivered message")
+
+
+class SqsAdvanceError(RuntimeError):
+    """
+    A delete, dead-letter send or other advance step still failed after retries.
+
+    Raised from ``advance``: the manager terminates the group (every watcher fails through the
+    trigger-failure path) and the messages that were not deleted come back after their visibility
+    timeout. Nothing is counted as committed that was not deleted.
+    """
+
+
+@dataclass(slots=True)
+class SqsDelivery(Delivery):
+    """What ``advance`` needs of one SQS message (and what a DLQ send re-sends)."""
+
+    receipt_handle: str
+    message_id: str
+    body: str
+    message_attributes: dict[str, Any]
+    group_id: str | None
+    receive_call: int
+
+
+class _Fields(NamedTuple):
+    """An SqsDelivery before its StreamMessage exists (same field order after ``message``)."""
+
+    delivery_attempt: int
+    receipt_handle: str
+    message_id: str
+    body: str
+    message_attributes: dict[str, Any]
+    group_id: str | None
+    receive_call: int
+
+
+@dataclass(frozen=True, slots=True)
+class SqsClientSettings:
+    """What the client is built from: read from the Airflow connection (never logged: has secrets)."""
+
+    region_name: str | None
+    endpoint_url: str | None
+    access_key_id: str | None
+    secret_access_key: str | None
+    session_token: str | None
+    role_arn: str | None
+    assume_role_kwargs: dict[str, Any]
+    config_kwargs: dict[str, Any]
+    verify: bool | str | None
+    connection_found: bool
+
+    def describe(self) -> str:
+        """Secret-free description for logs and errors."""
+        creds = (
+            "access key from the connection"
+            if self.access_key_id
+            else ("default credential chain" if not self.connection_found else "connection without keys (chain)")
+        )
+        parts = [f"region={self.region_name or '<chain default>'}", f"credentials={creds}"]
+        if self.endpoint_url:
+            parts.append(f"endpoint_url={self.endpoint_url}")
+        if self.role_arn:
+            parts.append(f"role_arn={self.role_arn}")
+        return ", ".join(parts)
+
+
+async def load_client_settings(settings: SqsStreamSettings) -> SqsClientSettings:
+    """
+    Read the upstream ``aws`` connection shape directly (we do not declare the ``aws`` type).
+
+    login/password = access key id / secret access key; extras ``region_name``, ``endpoint_url``
+    (or ``service_config.sqs.endpoint_url``), ``aws_session_token``, ``role_arn`` (+
+    ``assume_role_kwargs``), ``config_kwargs``, ``verify``. A connection that does not exist means
+    the default AWS credential chain.
+    """
+    extras: dict[str, Any] = {}
+    login = password = None
+    found = False
+    if settings.aws_conn_id:
+        from airflow.sdk import BaseHook
+        from airflow.sdk.exceptions import AirflowNotFoundException
+
+        try:
+            conn = await BaseHook.aget_connection(settings.aws_conn_id)
+        except AirflowNotFoundException:
+            conn = None
+        if conn is not None:
+            found = True
+            login, password = conn.login or None, conn.password or None
+            extras = await conn.aextra_dejson() if hasattr(conn, "aextra_dejson") else conn.extra_dejson
+    service_config = extras.get("service_config") or {}
+    sqs_config = service_config.get("sqs") if isinstance(service_config, dict) else None
+    endpoint = (sqs_config or {}).get("endpoint_url") or extras.get("endpoint_url")
+    config_kwargs = extras.get("config_kwargs") or {}
+    if not isinstance(config_kwargs, dict):
+        raise SharedStreamConfigError(
+            f"connection {settings.aws_conn_id!r}: extra config_kwargs must be a JSON object, got {config_kwargs!r}"
+        )
+    assume_kwargs = extras.get("assume_role_kwargs") or {}
+    if not isinstance(assume_kwargs, dict):
+        raise SharedStreamConfigError(
+            f"connection {settings.aws_conn_id!r}: extra assume_role_kwargs must be an object"
+        )
+    region = (
+        settings.region_name
+        or extras.get("region_name")
+        or (config_kwargs.get("region_name") if isinstance(config_kwargs, dict) else None)
+        or region_from_queue_url(settings.queue_url)
+    )
+    return SqsClientSettings(
+        region_name=region,
+        endpoint_url=endpoint,
+        access_key_id=login or extras.get("aws_access_key_id"),
+        secret_access_key=password or extras.get("aws_secret_access_key"),
+        session_token=extras.get("aws_session_token"),
+        role_arn=extras.get("role_arn"),
+        assume_role_kwargs=assume_kwargs,
+        config_kwargs=config_kwargs,
+        verify=extras.get("verify"),
+        connection_found=found,
+    )
+
+
+class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDelivery]):
+    """One receive loop per queue for every watcher of the stream; see the module docstring."""
+
+    broker = "sqs"
+    # A clean stop makes the messages still in flight visible again at once; tests that simulate
+    # a crash turn this off (a killed triggerer releases nothing).
+    release_on_close: ClassVar[bool] = True
+
+    def __init__(self, settings: SqsStreamSettings, *, stream_key: Hashable) -> None:
+        super().__init__(settings, stream_key=stream_key)
+        self._fifo = settings.fifo
+        self._dlq_fifo = False
+        self._client: Any = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._client_settings: SqsClientSettings | None = None
+        self._leases: LeaseKeeper[str] | None = None
+        self._receive_calls = itertools.count(1)
+        self._receives: dict[asyncio.Task[tuple[float, list[dict[str, Any]]]], int] = {}
+        # Receipt handles handed to watchers and not yet deleted / released.
+        self._in_flight_handles: dict[str, None] = {}
+        # FIFO: group -> the receive call whose messages must not be deleted past a released one.
+        self._fences: dict[str, int] = {}
+        # MessageId -> times it was held (broadcast to nobody): not delivery attempts.
+        self._holds: OrderedDict[str, int] = OrderedDict()
+        self._max_hold = self.ack_timeout + max(5.0, self.ack_timeout / 10)
+
+    # -- identity ------------------------------------------------------------------------------
+    def source_label(self) -> str:
+        return self.settings.queue_url
+
+    def get_advance_lane(self, broker_payload: SqsDelivery) -> Hashable:
+        if self._fifo:
+            return ("group", broker_payload.group_id)
+        return ("receive", broker_payload.receive_call)
+
+    # -- connection ----------------------------------------------------------------------------
+    def _config_error(self, cause: str, exc: BaseException | None = None) -> SharedStreamConfigError:
+        where = self._client_settings.describe() if self._client_settings else ""
+        conn = self.settings.aws_conn_id
+        message = f"SQS queue {self.settings.queue_url!r}: {cause} (aws_conn_id={conn!r}; {where})"
+        error = SharedStreamConfigError(message)
+        error.__cause__ = exc
+        return error
+
+    def _session(self, client_settings: SqsClientSettings) -> AioSession:
+        session = get_session()
+        if client_settings.access_key_id or client_settings.secret_access_key:
+            if not (client_settings.access_key_id and client_settings.secret_access_key):
+                raise self._config_error("the connection has only one of login (access key id) and password (secret)")
+            session.set_credentials(
+                client_settings.access_key_id, client_settings.secret_access_key, client_settings.session_token
+            )
+        return session
+
+    def _client_config(self, client_settings: SqsClientSettings) -> AioConfig:
+        kwargs: dict[str, Any] = {
+            key: value for key, value in client_settings.config_kwargs.items() if key in _FORWARDED_CONFIG_KWARGS
+        }
+        unknown = set(client_settings.config_kwargs) - _FORWARDED_CONFIG_KWARGS - {"region_name", "signature_version"}
+        if unknown:
+            raise self._config_error(f"unsupported config_kwargs key(s) {sorted(unknown)}")
+        if "signature_version" in client_settings.config_kwargs:
+            kwargs["signature_version"] = client_settings.config_kwargs["signature_version"]
+        kwargs.setdefault("retries", {"mode": "standard", "max_attempts": 3})
+        # Receives, the lease keeper, deletes and releases may all be in flight at once.
+        kwargs.setdefault("max_pool_connections", max(10, self.settings.concurrent_receives + 4))
+        # A long poll must never hit the read timeout.
+        kwargs.setdefault("read_timeout", self.settings.wait_time_seconds + 40)
+        return AioConfig(**kwargs)
+
+    async def _assume_role(self, session: AioSession, client_settings: SqsClientSettings) -> None:
+        """Replace the session's credentials with refreshable STS assume-role credentials."""
+        role_arn = client_settings.role_arn
+        assert role_arn is not None
+        base_session = self._session(client_settings)
+        kwargs = dict(client_settings.assume_role_kwargs)
+        kwargs.setdefault("RoleSessionName", f"airflow-shared-stream-{client_settings.region_name or 'default'}")
+
+        async def refresh() -> dict[str, Any]:
+            async with base_session.create_client(
+                "sts",
+                region_name=client_settings.region_name,
+                endpoint_url=client_settings.endpoint_url,
+                verify=client_settings.verify,
+            ) as sts:
+                self.counters.add("api_calls")
+                response = await sts.assume_role(RoleArn=role_arn, **kwargs)
+            credentials = response["Credentials"]
+            expiry = credentials["Expiration"]
+            if isinstance(expiry, datetime):
+                expiry = expiry.isoformat()
+            return {
+                "access_key": credentials["AccessKeyId"],
+                "secret_key": credentials["SecretAccessKey"],
+                "token": credentials["SessionToken"],
+                "expiry_time": expiry,
+            }
+
+        # The upstream Amazon provider does the same: aiobotocore has no public setter for
+        # refreshable credentials on a session.
+        session._credentials = AioDeferredRefreshableCredentials(  # type: ignore[attr-defined]
+            refresh_using=refresh, method="sts-assume-role"
+        )
+
+    async def _connect(self) -> Any:
+        client_settings = await load_client_settings(self.settings)
+        self._client_settings = client_settings
+        session = self._session(client_settings)
+        if client_settings.role_arn:
+            await self._assume_role(session, client_settings)
+        stack = contextlib.AsyncExitStack()
+        try:
+            client = await stack.enter_async_context(
+                session.create_client(
+                    "sqs",
+                    region_name=client_settings.region_name,
+                    endpoint_url=client_settings.endpoint_url,
+                    verify=client_settings.verify,
+                    config=self._client_config(client_settings),
+                )
+            )
+        except NoRegionError as exc:
+            await stack.aclose()
+            raise self._config_error(
+                "no AWS region: set region_name on the trigger or the connection, or use a regional queue URL", exc
+            ) from exc
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        self.log.info("SQS shared stream connecting to %s (%s)", self.settings.queue_url, client_settings.describe())
+        return client
+
+    def _explain(self, exc: BaseException, queue_url: str) -> str:
+        if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+            return f"no usable AWS credentials ({exc})"
+        if isinstance(exc, EndpointConnectionError):
+            return f"cannot reach the SQS endpoint ({exc})"
+        if isinstance(exc, ClientError):
+            error = exc.response.get("Error", {})
+            code = str(error.get("Code", ""))
+            text = str(error.get("Message", ""))
+            if code in _MISSING_QUEUE_CODES:
+                region = self._client_settings.region_name if self._client_settings else None
+                return (
+                    f"the queue does not exist in region {region!r} for these credentials "
+                    f"(wrong region or account, or deleted) [{code}]"
+                )
+            if code in _BAD_CREDENTIAL_CODES:
+                return f"AWS rejected the credentials [{code}: {text}]"
+            if code in _DENIED_CODES:
+                return f"access denied to {queue_url!r} [{code}: {text}]"
+            return f"{code}: {text}"
+        return f"{type(exc).__name__}: {exc}"
+
+    async def _queue_attributes(self, queue_url: str, *, role: str) -> dict[str, str]:
+        try:
+            self.counters.add("api_calls")
+            response = await self._client.get_queue_attributes(
+                QueueUrl=queue_url, AttributeNames=["FifoQueue", "VisibilityTimeout", "RedrivePolicy"]
+            )
+        except (BotoCoreError, ClientError) as exc:
+            cause = self._explain(exc, queue_url)
+            if role == "dlq":
+                cause = f"dlq_queue_url {queue_url!r}: {cause}"
+            raise self._config_error(cause, exc) from exc
+        return dict(response.get("Attributes", {}))
+
+    async def _check_queues(self) -> None:
+        settings = self.settings
+        attributes = await self._queue_attributes(settings.queue_url, role="source")
+        is_fifo = attributes.get("FifoQueue", "false").lower() == "true"
+        if is_fifo != self._fifo:
+            raise self._config_error(
+                f"the queue reports FifoQueue={is_fifo} but its URL says {'FIFO' if self._fifo else 'standard'}"
+            )
+        if settings.dlq_queue_url is not None:
+            dlq_attributes = await self._queue_attributes(settings.dlq_queue_url, role="dlq")
+            self._dlq_fifo = dlq_attributes.get("FifoQueue", "false").lower() == "true"
+        elif not attributes.get("RedrivePolicy"):
+            self.log.warning(
+                "SQS queue %s has no dlq_queue_url and no RedrivePolicy: rejected and poison messages stay "
+                "in the queue and come back every %s s (never deleted)",
+                settings.queue_url,
+                settings.reject_backoff,
+            )
+
+    # -- receive -------------------------------------------------------------------------------
+    async def _receive(self, count: int) -> tuple[float, list[dict[str, Any]]]:
+        started = time.monotonic()
+        self.counters.add("api_calls")
+        response = await self._client.receive_message(
+            QueueUrl=self.settings.queue_url,
+            MaxNumberOfMessages=count,
+            WaitTimeSeconds=self.settings.wait_time_seconds,
+            VisibilityTimeout=self.settings.visibility_timeout,
+            MessageSystemAttributeNames=["All"],
+            MessageAttributeNames=["All"],
+        )
+        return started, list(response.get("Messages") or [])
+
+    def _is_transient(self, exc: BaseException) -> bool:
+        if isinstance(exc, ClientError):
+            return str(exc.response.get("Error", {}).get("Code", "")) in _THROTTLE_CODES
+        return isinstance(exc, BotoCoreError) and not isinstance(
+            exc, NoCredentialsError | PartialCredentialsError | NoRegionError
+        )
+
+    async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
+        settings = self.settings
+        self._client = await self._connect()
+        await self._check_queues()
+        visibility = settings.visibility_timeout
+        self._leases = LeaseKeeper(
+            renew=self._renew,
+            lease_seconds=visibility,
+            renew_margin=max(0.3, visibility / 3),
+            max_hold=self._max_hold,
+            batch_size=SQS_BATCH,
+            name=f"sqs-lease-keeper[{settings.queue_name}]",
+        )
+        self._leases.start()
+        receives = self._receives
+        errors = 0
+        try:
+            while True:
+                available = self.gate.credit() - sum(receives.values())
+                while len(receives) < settings.concurrent_receives and available > 0:
+                    count = min(SQS_BATCH, available)
+                    task = asyncio.create_task(self._receive(count), name=f"sqs-receive[{settings.queue_name}]")
+                    receives[task] = count
+                    available -= count
+                if not receives:
+                    await self.wait_for_credit()
+                    continue
+                done, _ = await asyncio.wait(receives, return_when=asyncio.FIRST_COMPLETED)
+                # Hand out completed calls in the order they were started.
+                for task in [t for t in receives if t in done]:
+                    del receives[task]
+                    try:
+                        started, messages = task.result()
+                    except (BotoCoreError, ClientError) as exc:
+                        errors += 1
+                        if not self._is_transient(exc) or errors >= _RECEIVE_ERROR_LIMIT:
+                            raise self._config_error(
+                                f"ReceiveMessage failed: {self._explain(exc, settings.queue_url)}", exc
+                            ) from exc
+                        delay = min(16.0, 2.0 ** (errors - 1))
+                        self.log.warning("SQS receive failed (%s); retrying in %.0f s", exc, delay)
+                        await asyncio.sleep(delay)
+                        continue
+                    errors = 0
+                    if not messages:
+                        continue
+                    self.counters.add("received", len(messages))
+                    call = next(self._receive_calls)
+                    lease_ends = started + visibility
+                    leases = self._leases
+                    for raw in messages:
+                        fields = self._fields(raw, call)
+                        self._in_flight_handles[fields.receipt_handle] = None
+                        leases.track(fields.receipt_handle, lease_expires_at=lease_ends)
+                        envelope, forced = self._envelope(raw, fields)
+                        msg = self.stream_message(envelope, forced)
+                        yield msg, SqsDelivery(msg, *fields)
+        finally:
+            await self._cancel_receives()
+
+    def _fields(self, raw: dict[str, Any], call: int) -> _Fields:
+        attributes = raw.get("Attributes") or {}
+        message_id = str(raw["MessageId"])
+        attempt = int(attributes.get("ApproximateReceiveCount", "1"))
+        held = self._holds.get(message_id)
+        if held:
+            attempt = max(1, attempt - held)
+        return _Fields(
+            attempt,
+            str(raw["ReceiptHandle"]),
+            message_id,
+            str(raw.get("Body", "")),
+            dict(raw.get("MessageAttributes") or {}),
+            attributes.get("MessageGroupId"),
+            call,
+        )
+
+    def _envelope(self, raw: dict[str, Any], delivery: _Fields) -> tuple[dict[str, Any], str | None]:
+        system = raw.get("Attributes") or {}
+        attributes = {name: _attribute_text(value) for name, value in delivery.message_attributes.items()}
+        body: str | bytes = delivery.body
+        if attributes.get(TRANSFER_ENCODING_ATTRIBUTE, "").lower() == "base64":
+            try:
+                body = base64.b64decode(delivery.body, validate=True)
+            except (binascii.Error, ValueError):
+                body = delivery.body  # not base64 after all: show it as it is
+        metadata: dict[str, Any] = {"queue_url": self.settings.queue_url}
+        if delivery.group_id is not None:
+            metadata["message_group_id"] = delivery.group_id
+        for key, name in (("SequenceNumber", "sequence_number"), ("MessageDeduplicationId", "deduplication_id")):
+            if key in system:
+                metadata[name] = system[key]
+        first = system.get("ApproximateFirstReceiveTimestamp")
+        if first is not None:
+            metadata["first_received_at"] = iso_timestamp(int(first), unit="ms")
+        sent = system.get("SentTimestamp")
+        return self.envelope(
+            source=self.settings.queue_url,
+            message_id=delivery.message_id,
+            body=body,
+            attributes=attributes,
+            published_at=iso_timestamp(int(sent), unit="ms") if sent is not None else None,
+            delivery_attempt=delivery.delivery_attempt,
+            metadata=metadata,
+        )
+
+    async def _cancel_receives(self) -> None:
+        tasks = list(self._receives)
+        self._receives.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    # -- leases --------------------------------------------------------------------------------
+    async def _renew(self, handles: Sequence[str], lease_seconds: float) -> Sequence[str]:
+        if self._client is None:
+            raise BrokerHandleClosedError(f"SQS client for {self.settings.queue_url} is closed")
+        failed = await self._change_visibility([(handle, int(lease_seconds)) for handle in handles], purpose="extend")
+        self.counters.add("leases_renewed", len(handles) - len(failed))
+        self.counters.add("leases_lost", len(failed))
+        if failed:
+            self.log.warning(
+                "SQS refused to extend the visibility of %d message(s) on %s: SQS may deliver them again",
+                len(failed),
+                self.settings.queue_url,
+            )
+        return failed
+
+    # -- advance -------------------------------------------------------------------------------
+    async def _apply(self, decided: Sequence[Decided[SqsDelivery]]) -> None:
+        if self._client is None:
+            raise BrokerHandleClosedError(
+                f"advance called after the SQS client for {self.settings.queue_url} was closed; not advanced"
+            )
+        entries = list(decided)
+        if self._fifo:
+            entries = self._fence(entries)
+        deletes: list[SqsDelivery] = []
+        dead: list[Decided[SqsDelivery]] = []
+        visibility: list[tuple[Decided[SqsDelivery], int]] = []
+        for entry in entries:
+            disposition = entry.disposition
+            if disposition is Disposition.COMMIT:
+                deletes.append(entry.delivery)
+            elif disposition is Disposition.DEAD_LETTER:
+                if self.settings.dlq_queue_url is None:
+                    self.log.warning(
+                        "SQS message %s on %s not dead-lettered (no dlq_queue_url): %s; kept, invisible for %s s",
+                        entry.delivery.message_id,
+                        self.settings.queue_url,
+                        entry.decision.reason,
+                        self.settings.reject_backoff,
+                    )
+                    visibility.append((entry, self.settings.reject_backoff))
+                else:
+                    dead.append(entry)
+            elif disposition is Disposition.REDELIVER:
+                visibility.append((entry, 0))
+            else:
+                self._remember_hold(entry.delivery.message_id)
+                visibility.append((entry, self.settings.hold_backoff))
+        lost: set[str] = set()
+        if dead:
+            await self._dead_letter(dead)
+            deletes.extend(entry.delivery for entry in dead)
+        if deletes:
+            lost = await self._delete(deletes)
+        if visibility:
+            await self._release(visibility)
+        for entry in entries:
+            handle = entry.delivery.receipt_handle
+            self._in_flight_handles.pop(handle, None)
+            if self._leases is not None:
+                self._leases.release(handle)
+            if entry.disposition is Disposition.COMMIT:
+                self._holds.pop(entry.delivery.message_id, None)
+        if lost:
+            # Deletes refused for a lost lease: SQS delivers those again; count them as such.
+            entries = [
+                Decided(entry.delivery, Decision(Disposition.REDELIVER, "lease lost before the delete"))
+                if entry.delivery.receipt_handle in lost
+                else entry
+                for entry in entries
+            ]
+        if isinstance(decided, list):
+            # The base class counts dispositions from this list after _apply: make it say what was
+            # done (FIFO releases, lost leases), not what was asked.
+            decided[:] = entries
+
+    def _fence(self, entries: list[Decided[SqsDelivery]]) -> list[Decided[SqsDelivery]]:
+        """FIFO: nothing of a group received with a released message is deleted past it."""
+        out: list[Decided[SqsDelivery]] = []
+        for entry in entries:
+            delivery = entry.delivery
+            group = delivery.group_id or ""
+            fence = self._fences.get(group)
+            kept = entry
+            if fence is not None:
+                if delivery.receive_call <= fence:
+                    if entry.disposition in (Disposition.COMMIT, Disposition.DEAD_LETTER):
+                        kept = Decided(delivery, _FIFO_RELEASE)
+                else:
+                    del self._fences[group]
+            if kept.disposition in (Disposition.REDELIVER, Disposition.HOLD):
+                self._fences[group] = delivery.receive_call
+            out.append(kept)
+        return out
+
+    def _remember_hold(self, message_id: str) -> None:
+        self._holds[message_id] = self._holds.get(message_id, 0) + 1
+        self._holds.move_to_end(message_id)
+        while len(self._holds) > _HOLD_MEMORY:
+            self._holds.popitem(last=False)
+
+    async def _retrying(
+        self,
+        what: str,
+        items: Sequence[Any],
+        call: Callable[[Sequence[Any]], Awaitable[dict[str, Any]]],
+    ) -> tuple[set[int], dict[int, dict[str, Any]]]:
+        """
+        Run a batch call over ``items`` (<= 10), retrying server-side failures.
+
+        Returns ``(ok, sender_faults)``: indexes that succeeded, and per-entry client errors that a
+        retry cannot fix. Raises :class:`SqsAdvanceError` when server-side failures or call errors
+        remain after the retries.
+        """
+        pending = list(range(len(items)))
+        ok: set[int] = set()
+        sender_faults: dict[int, dict[str, Any]] = {}
+        last_error = ""
+        for attempt in range(_ENTRY_RETRIES):
+            if attempt:
+                await asyncio.sleep(_RETRY_BASE_DELAY * 2 ** (attempt - 1))
+            try:
+                self.counters.add("api_calls")
+                response = await call([items[i] for i in pending])
+            except (BotoCoreError, ClientError) as exc:
+                last_error = self._explain(exc, self.settings.queue_url)
+                continue
+            retry: list[int] = []
+            for result in response.get("Successful") or []:
+                ok.add(pending[int(result["Id"])])
+            for failure in response.get("Failed") or []:
+                index = pending[int(failure["Id"])]
+                if failure.get("SenderFault"):
+                    sender_faults[index] = failure
+                else:
+                    retry.append(index)
+                    last_error = f"{failure.get('Code')}: {failure.get('Message')}"
+            pending = retry
+            if not pending:
+                return ok, sender_faults
+        raise SqsAdvanceError(
+            f"SQS {what} on {self.settings.queue_url} still failing for {len(pending)} message(s) "
+            f"after {_ENTRY_RETRIES} attempts ({last_error}); not advanced, they come back after their "
+            "visibility timeout"
+        )
+
+    async def _delete(self, deliveries: Sequence[SqsDelivery]) -> set[str]:
+        """Delete in batches of 10; return the receipt handles whose lease was gone (not deleted)."""
+        lost: set[str] = set()
+        queue_url = self.settings.queue_url
+        for start in range(0, len(deliveries), SQS_BATCH):
+            chunk = deliveries[start : start + SQS_BATCH]
+
+            async def call(items: Sequence[SqsDelivery]) -> dict[str, Any]:
+                return await self._client.delete_message_batch(  # type: ignore[no-any-return]
+                    QueueUrl=queue_url,
+                    Entries=[{"Id": str(i), "ReceiptHandle": d.receipt_handle} for i, d in enumerate(items)],
+                )
+
+            _, faults = await self._retrying("DeleteMessageBatch", chunk, call)
+            for index, failure in faults.items():
+                delivery = chunk[index]
+                if failure.get("Code") in _LEASE_GONE_CODES:
+                    lost.add(delivery.receipt_handle)
+                    continue
+                raise SqsAdvanceError(
+                    f"SQS DeleteMessageBatch on {queue_url} refused message {delivery.message_id}: "
+                    f"{failure.get('Code')}: {failure.get('Message')}"
+                )
+        if lost:
+            self.counters.add("leases_lost", len(lost))
+            self.log.warning(
+                "SQS refused to delete %d message(s) on %s: their lease was lost, SQS delivers them again",
+                len(lost),
+                queue_url,
+            )
+        return lost
+
+    async def _release(self, entries: Sequence[tuple[Decided[SqsDelivery], int]]) -> None:
+        """Set visibility (0 = redeliver now). Best-effort: a failed release only delays redelivery."""
+        try:
+            await self._change_visibility(
+                [(entry.delivery.receipt_handle, seconds) for entry, seconds in entries], purpose="release"
+            )
+        except SqsAdvanceError as exc:
+            self.log.warning("%s; the messages come back when their visibility timeout ends", exc)
+
+    async def _change_visibility(self, changes: Sequence[tuple[str, int]], *, purpose: str) -> list[str]:
+        """ChangeMessageVisibilityBatch in chunks of 10; return the handles SQS refused as not in flight."""
+        refused: list[str] = []
+        queue_url = self.settings.queue_url
+        for start in range(0, len(changes), SQS_BATCH):
+            chunk = changes[start : start + SQS_BATCH]
+
+            async def call(items: Sequence[tuple[str, int]]) -> dict[str, Any]:
+                return await self._client.change_message_visibility_batch(  # type: ignore[no-any-return]
+                    QueueUrl=queue_url,
+                    Entries=[
+                        {"Id": str(i), "ReceiptHandle": handle, "VisibilityTimeout": seconds}
+                        for i, (handle, seconds) in enumerate(items)
+                    ],
+                )
+
+            _, faults = await self._retrying(f"ChangeMessageVisibilityBatch ({purpose})", chunk, call)
+            refused.extend(chunk[index][0] for index in faults)
+        return refused
+
+    async def _dead_letter(self, entries: Sequence[Decided[SqsDelivery]]) -> None:
+        """Send to the DLQ (all must succeed before any of them is deleted)."""
+        dlq_url = self.settings.dlq_queue_url
+        assert dlq_url is not None
+        for start in range(0, len(entries), SQS_BATCH):
+            chunk = entries[start : start + SQS_BATCH]
+            records = [self._dead_letter_record(entry) for entry in chunk]
+
+            async def call(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+                return await self._client.send_message_batch(  # type: ignore[no-any-return]
+                    QueueUrl=dlq_url, Entries=[{"Id": str(i), **record} for i, record in enumerate(items)]
+                )
+
+            _, faults = await self._retrying("SendMessageBatch (dead letter)", records, call)
+            if faults:
+                index, failure = next(iter(faults.items()))
+                raise SqsAdvanceError(
+                    f"SQS refused to dead-letter message {chunk[index].delivery.message_id} to {dlq_url}: "
+                    f"{failure.get('Code')}: {failure.get('Message')}; not deleted"
+                )
+        self.log.info("SQS dead-lettered %d message(s) from %s to %s", len(entries), self.settings.queue_url, dlq_url)
+
+    def _dead_letter_record(self, entry: Decided[SqsDelivery]) -> dict[str, Any]:
+        delivery = entry.delivery
+        attributes: dict[str, Any] = {}
+        for name, value in delivery.message_attributes.items():
+            kept = {k: v for k, v in value.items() if k in ("DataType", "StringValue", "BinaryValue")}
+            attributes[name] = kept
+        extra = (
+            (DEAD_LETTER_REASON, entry.decision.reason[:1024]),
+            (DEAD_LETTER_SOURCE, self.settings.queue_url),
+            (DEAD_LETTER_MESSAGE_ID, delivery.message_id),
+        )
+        for name, text in extra:
+            if len(attributes) >= MAX_MESSAGE_ATTRIBUTES:
+                break
+            attributes.setdefault(name, {"DataType": "String", "StringValue": text})
+        record: dict[str, Any] = {"MessageBody": delivery.body}
+        if attributes:
+            record["MessageAttributes"] = attributes
+        if self._dlq_fifo:
+            record["MessageGroupId"] = delivery.group_id or "dead-letter"
+            record["MessageDeduplicationId"] = delivery.message_id
+        return record
+
+    # -- close ---------------------------------------------------------------------------------
+    async def _close(self) -> None:
+        try:
+            await self._cancel_receives()
+            if self._leases is not None:
+                await self._leases.stop()
+            handles = list(self._in_flight_handles)
+            self._in_flight_handles.clear()
+            if handles and self._client is not None and self.release_on_close:
+                try:
+                    await asyncio.wait_for(
+                        self._change_visibility([(handle, 0) for handle in handles], purpose="release on close"),
+                        timeout=_CLOSE_RELEASE_TIMEOUT,
+                    )
+                except Exception as exc:
+                    self.log.warning(
+                        "Could not release %d in-flight SQS message(s) on close (%s); they come back after "
+                        "their visibility timeout",
+                        len(handles),
+                        exc,
+                    )
+        finally:
+            self._client = None
+            stack, self._stack = self._stack, None
+            if stack is not None:
+                await stack.aclose()
+
+
+def _attribute_text(value: dict[str, Any]) -> str:
+    if "StringValue" in value:
+        return str(value["StringValue"])
+    if "BinaryValue" in value:
+        return text_value(value["BinaryValue"])
+    return ""

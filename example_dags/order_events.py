@@ -1,0 +1,88 @@
+"""
+Reading shared-stream asset events in a Dag, idempotently (imported by the example Dag files).
+
+Each asset event's ``extra`` is the message **envelope** the watcher fired on::
+
+    {"broker": "kafka", "source": "orders", "message_id": "orders/2/17", "body": {...},
+     "body_encoding": "json", "attributes": {...}, "published_at": "...", "delivery_attempt": 1,
+     "metadata": {"partition": 2, "offset": 17, ...}}
+
+Delivery is **at least once**: a triggerer crash between "event stored" and "offset committed"
+redelivers the message, and the watcher fires again. So a consumer Dag deduplicates on
+``message_id`` (stable across redeliveries) inside its batch and makes its side effects idempotent
+across runs (here: one receipt file per message, created atomically, never overwritten).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+OUTPUT_DIR_ENV = "ORDERS_OUTPUT_DIR"
+
+
+def output_dir() -> Path:
+    """Where the example Dags write (``$ORDERS_OUTPUT_DIR``, default ``<tmp>/airflow-shared-stream-orders``)."""
+    configured = os.environ.get(OUTPUT_DIR_ENV)
+    path = Path(configured) if configured else Path(tempfile.gettempdir()) / "airflow-shared-stream-orders"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def unique_envelopes(triggering_asset_events: Mapping[Any, Iterable[Any]] | None) -> list[dict[str, Any]]:
+    """
+    The envelopes of a run's triggering asset events, deduplicated on ``message_id``.
+
+    ``triggering_asset_events`` maps each asset to its events (objects with ``.extra``); a run
+    created by several events of the same asset gets them all. Events that are not envelopes
+    (e.g. created by hand in the UI) are skipped.
+    """
+    seen: dict[str, dict[str, Any]] = {}
+    for events in (triggering_asset_events or {}).values():
+        for event in events:
+            extra = getattr(event, "extra", None)
+            if extra is None and isinstance(event, Mapping):
+                extra = event.get("extra")
+            if not isinstance(extra, Mapping) or not extra.get("message_id"):
+                continue
+            seen.setdefault(str(extra["message_id"]), dict(extra))
+    return sorted(seen.values(), key=_message_order)
+
+
+def _message_order(envelope: Mapping[str, Any]) -> tuple[str, int, int, str]:
+    metadata = envelope.get("metadata") or {}
+    partition = metadata.get("partition", -1) if isinstance(metadata, Mapping) else -1
+    offset = metadata.get("offset", -1) if isinstance(metadata, Mapping) else -1
+    return str(envelope.get("source")), int(partition), int(offset), str(envelope.get("message_id"))
+
+
+def safe_name(message_id: str) -> str:
+    """A file name for a message id (``orders/2/17`` -> ``orders_2_17``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", message_id)
+
+
+def record_receipts(envelopes: Iterable[Mapping[str, Any]], sink: str) -> dict[str, int]:
+    """
+    Idempotent side effect: write one receipt per message under ``<output>/receipts/<sink>/``.
+
+    ``open(..., "x")`` creates the file only if it does not exist, so a re-run of the task or a
+    redelivered message never produces a second receipt. Returns ``{"new": n, "duplicates": d}``.
+    """
+    directory = output_dir() / "receipts" / sink
+    directory.mkdir(parents=True, exist_ok=True)
+    counts = {"new": 0, "duplicates": 0}
+    for envelope in envelopes:
+        path = directory / f"{safe_name(str(envelope['message_id']))}.json"
+        try:
+            with path.open("x") as handle:
+                json.dump({"message_id": envelope["message_id"], "body": envelope.get("body")}, handle)
+        except FileExistsError:
+            counts["duplicates"] += 1
+        else:
+            counts["new"] += 1
+    return counts

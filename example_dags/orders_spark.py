@@ -1,0 +1,209 @@
+"""
+The orders data pipeline on Spark (PySpark), fed by a shared-stream asset.
+
+:func:`build_orders_spark_pipeline` builds an asset-scheduled Dag:
+
+1. ``extract`` (plain ``@task``) reads the run's ``triggering_asset_events``, deduplicates them on
+   ``message_id`` and turns the envelopes into order rows (pure Python, small: the XCom is the batch);
+2. ``aggregate`` (``@task.pyspark``) makes a DataFrame of the rows, drops every ``message_id``
+   already stored by an earlier run, appends the new rows to the ``order_lines`` Parquet dataset and
+   their revenue per region and minute to ``revenue_by_region_minute``.
+
+Idempotency (a re-run, a retry or a redelivered message never double-counts):
+
+* both datasets are partitioned by ``batch_id`` (the Dag run id) and written with **dynamic
+  partition overwrite**: a retry of a run rewrites its own partition instead of appending again;
+* the ``message_id``\\ s stored by *other* batches are anti-joined away before writing, so a message
+  delivered twice (triggerer crash before the offset commit) is counted in the first batch only;
+* ``max_active_runs=1``: batches are written one at a time.
+
+Spark: ``local[*]`` unless the Airflow connection ``spark_orders`` (id configurable with the
+``ORDERS_SPARK_CONN_ID`` environment variable of the Dag processor) exists; then its host says where
+(``local[2]``, ``spark://master:7077`` for a standalone cluster, or a ``spark_connect`` connection for
+``sc://host:15002``) and its extras are Spark settings. See ``docs/spark.md``.
+
+The functions below take plain data (and a SparkSession) so they are unit-testable without Airflow.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from order_events import output_dir, unique_envelopes
+from order_filters import order_problem
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from airflow.sdk import DAG, Asset
+
+SPARK_CONN_ID = os.environ.get("ORDERS_SPARK_CONN_ID", "spark_orders")
+ORDER_COLUMNS = ("message_id", "order_id", "region", "amount", "minute")
+
+# Task-level settings that are right for any master (the connection carries the rest, e.g.
+# spark.sql.shuffle.partitions). The UI is useless for a short batch and costs startup time.
+SPARK_TASK_CONFIG = {"spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false"}
+
+
+def order_minute(envelope: Mapping[str, Any]) -> str:
+    """The order's minute, ``YYYY-MM-DDTHH:MM`` UTC: the order's ``created_at``, else the publish time."""
+    body = envelope.get("body")
+    raw = body.get("created_at") if isinstance(body, Mapping) else None
+    raw = raw or envelope.get("published_at")
+    if not raw:
+        return "unknown"
+    moment = datetime.fromisoformat(str(raw).replace("Z", "+00:00"))
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M")
+
+
+def order_rows(envelopes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Well-formed orders as flat rows (malformed ones are skipped: the watcher already dead-lettered them)."""
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for envelope in envelopes:
+        message_id = str(envelope.get("message_id"))
+        if message_id in seen or order_problem(envelope) is not None:
+            continue
+        seen.add(message_id)
+        body = envelope["body"]
+        rows.append(
+            {
+                "message_id": message_id,
+                "order_id": str(body["order_id"]),
+                "region": str(body["region"]),
+                "amount": float(body["amount"]),
+                "minute": order_minute(envelope),
+            }
+        )
+    return rows
+
+
+def batch_id_for(run_id: str) -> str:
+    """A Parquet-partition-safe batch id for a Dag run."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
+
+
+def _stored(spark: SparkSession, path: str) -> DataFrame | None:
+    from pyspark.errors import AnalysisException
+
+    try:
+        return spark.read.parquet(path)
+    except AnalysisException:
+        return None  # first batch: the dataset does not exist yet
+
+
+def write_order_batch(spark: SparkSession, rows: list[dict[str, Any]], base_path: str, batch_id: str) -> dict[str, Any]:
+    """
+    Append one batch of order rows to ``<base>/order_lines`` and its aggregates to
+    ``<base>/revenue_by_region_minute``, idempotently (see the module docstring).
+    """
+    from pyspark.sql import functions as F  # noqa: N812 - the PySpark convention
+    from pyspark.sql.types import DoubleType, StringType, StructField, StructType
+
+    schema = StructType(
+        [
+            StructField("message_id", StringType(), False),
+            StructField("order_id", StringType(), False),
+            StructField("region", StringType(), False),
+            StructField("amount", DoubleType(), False),
+            StructField("minute", StringType(), False),
+        ]
+    )
+    lines_path = f"{base_path.rstrip('/')}/order_lines"
+    revenue_path = f"{base_path.rstrip('/')}/revenue_by_region_minute"
+    spark.conf.set("spark.sql.sources.partitionOverwriteMode", "dynamic")
+
+    batch = spark.createDataFrame([tuple(row[c] for c in ORDER_COLUMNS) for row in rows], schema)
+    batch = batch.dropDuplicates(["message_id"])
+    stored = _stored(spark, lines_path)
+    if stored is not None:
+        # Everything other batches already counted; this batch's own partition is excluded so a
+        # retry of the same run recomputes the same rows and overwrites them.
+        earlier = stored.where(F.col("batch_id") != F.lit(batch_id)).select("message_id")
+        batch = batch.join(earlier, on="message_id", how="left_anti")
+    # Materialize the (small) batch: the write below replaces files of the dataset it was read
+    # from, and Spark refuses to overwrite a path the same plan reads.
+    new_rows = batch.collect()
+    received = len(rows)
+    if not new_rows:
+        return {"batch_id": batch_id, "received": received, "new": 0, "duplicates": received, "groups": 0}
+    fresh = spark.createDataFrame(new_rows, schema).withColumn("batch_id", F.lit(batch_id))
+    fresh.coalesce(1).write.mode("overwrite").partitionBy("batch_id").parquet(lines_path)
+    revenue = (
+        fresh.groupBy("batch_id", "region", "minute")
+        .agg(F.count("*").alias("orders"), F.round(F.sum("amount"), 2).alias("revenue"))
+        .coalesce(1)
+    )
+    revenue.write.mode("overwrite").partitionBy("batch_id").parquet(revenue_path)
+    return {
+        "batch_id": batch_id,
+        "received": received,
+        "new": len(new_rows),
+        "duplicates": received - len(new_rows),
+        "groups": revenue.count(),
+    }
+
+
+def revenue_totals(spark: SparkSession, base_path: str) -> list[dict[str, Any]]:
+    """Revenue per region and minute over every batch (what a dashboard would read)."""
+    from pyspark.sql import functions as F  # noqa: N812
+
+    stored = _stored(spark, f"{base_path.rstrip('/')}/revenue_by_region_minute")
+    if stored is None:
+        return []
+    totals = (
+        stored.groupBy("region", "minute")
+        .agg(F.sum("orders").alias("orders"), F.round(F.sum("revenue"), 2).alias("revenue"))
+        .orderBy("region", "minute")
+    )
+    return [row.asDict() for row in totals.collect()]
+
+
+def build_orders_spark_pipeline(*, dag_id: str, source: Asset, dataset: str) -> DAG | None:
+    """
+    The asset-scheduled PySpark Dag for ``source``; writes under ``<ORDERS_OUTPUT_DIR>/<dataset>``.
+
+    Returns None (no Dag) when the Spark provider is not installed:
+    ``pip install 'airflow-shared-stream-provider[spark]'``.
+    """
+    try:
+        import airflow.providers.apache.spark.decorators.pyspark  # noqa: F401
+    except ImportError:
+        return None
+    from airflow.sdk import dag, task
+
+    @dag(
+        dag_id=dag_id,
+        schedule=[source],
+        max_active_runs=1,
+        catchup=False,
+        tags=["shared-stream", "spark"],
+        doc_md=__doc__,
+    )
+    def orders_spark_pipeline() -> None:
+        @task
+        def extract(triggering_asset_events: Any = None) -> list[dict[str, Any]]:
+            return order_rows(unique_envelopes(triggering_asset_events))
+
+        # The connection is used only if it exists: "" means local[*] (see the module docstring).
+        @task.pyspark(
+            conn_id=f"{{{{ '{SPARK_CONN_ID}' if conn.get('{SPARK_CONN_ID}') else '' }}}}",
+            config_kwargs=SPARK_TASK_CONFIG,
+        )
+        def aggregate(rows: list[dict[str, Any]], spark: Any = None, run_id: str | None = None) -> dict[str, Any]:
+            # On a cluster, point ORDERS_SPARK_PATH at storage every executor sees (s3a://, hdfs://).
+            root = os.environ.get("ORDERS_SPARK_PATH")
+            base = f"{root.rstrip('/')}/{dataset}" if root else str(output_dir() / dataset)
+            if not rows:
+                return {"batch_id": None, "received": 0, "new": 0, "duplicates": 0, "groups": 0}
+            return write_order_batch(spark, rows, base, batch_id_for(str(run_id)))
+
+        aggregate(extract())
+
+    return orders_spark_pipeline()

@@ -1,0 +1,1 @@
+"""Service Bus integration tests (test broker, or SERVICEBUS_CONNECTION_STRING)."""

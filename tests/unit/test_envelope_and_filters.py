@@ -1,0 +1,110 @@
+"""The envelope (decoding, size cap) and the declarative filters."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from airflow_shared_stream_provider import SharedStreamConfigError
+from airflow_shared_stream_provider._core.envelope import body_bytes_of, build_envelope, decode_body, text_attributes
+from airflow_shared_stream_provider._core.filtering import MessageFilter
+
+
+@pytest.mark.parametrize(
+    ("raw", "body", "encoding"),
+    [
+        (b'{"a": 1}', {"a": 1}, "json"),
+        (b"[1, 2]", [1, 2], "json"),
+        (b"42", 42, "json"),
+        (b"true", True, "json"),
+        (b'{"a": ', '{"a": ', "text"),
+        (b"hello", "hello", "text"),
+        ("d\u00e9j\u00e0".encode(), "d\u00e9j\u00e0", "text"),
+        (b"\xff\xfe\x00", "//4A", "base64"),
+        (b"", "", "text"),
+        (None, None, "json"),
+    ],
+)
+def test_bodies_decode_to_json_then_text_then_base64(raw: bytes | None, body: Any, encoding: str) -> None:
+    assert decode_body(raw) == (body, encoding)
+
+
+@given(st.binary(max_size=512))
+def test_any_bytes_give_a_json_safe_body_that_round_trips(raw: bytes) -> None:
+    body, encoding = decode_body(raw)
+    json.dumps(body)
+    envelope = {"body": body, "body_encoding": encoding}
+    if encoding == "json":
+        assert json.loads(body_bytes_of(envelope)) == body
+    else:
+        assert body_bytes_of(envelope) == raw
+
+
+def test_headers_become_text_with_base64_for_binary_values() -> None:
+    assert text_attributes([("type", b"order"), (b"bin", b"\xff")]) == {"type": "order", "bin": "base64:/w=="}
+
+
+def _envelope(body: bytes, limit: int, policy: Any) -> tuple[dict[str, Any], str | None]:
+    return build_envelope(
+        broker="kafka",
+        source="t",
+        message_id="t/0/1",
+        body=body,
+        attributes={"k": "v"},
+        published_at=None,
+        delivery_attempt=1,
+        metadata={},
+        max_payload_bytes=limit,
+        oversize_policy=policy,
+    )
+
+
+def test_the_size_cap_counts_the_serialized_envelope() -> None:
+    small, forced = _envelope(b'{"x": "' + b"a" * 100 + b'"}', 1024, "dead_letter")
+    assert forced is None and small["body"] == {"x": "a" * 100}
+    # Control characters grow 6x when JSON-escaped: 300 raw bytes exceed a 1024-byte cap.
+    _, forced = _envelope(b"\x01" * 300, 1024, "dead_letter")
+    assert forced is not None and "payload too large" in forced
+    truncated, forced = _envelope(b"y" * 5000, 1024, "truncate")
+    assert forced is None
+    assert truncated["body"] is None and truncated["body_truncated"] and truncated["body_bytes"] == 5000
+    assert len(json.dumps(truncated)) <= 1024
+
+
+ENVELOPE = {
+    "body": {"region": "eu", "amount": 3, "flag": True, "items": [{"sku": "a"}]},
+    "attributes": {"type": "order"},
+}
+
+
+@pytest.mark.parametrize(
+    ("match", "expected"),
+    [
+        ({"body.region": "eu"}, True),
+        ({"body.region": "us"}, False),
+        ({"body.region": ["us", "eu"]}, True),
+        ({"body.region": "eu", "attributes.type": "order"}, True),
+        ({"body.region": "eu", "attributes.type": "refund"}, False),
+        ({"body.amount": 3.0}, True),
+        ({"body.amount": True}, False),
+        ({"body.flag": 1}, False),
+        ({"body.flag": True}, True),
+        ({"body.items.0.sku": "a"}, True),
+        ({"body.items.5.sku": "a"}, False),
+        ({"body.missing": None}, False),
+        ({"body.region.deeper": "eu"}, False),
+    ],
+)
+def test_match_semantics(match: dict[str, Any], expected: bool) -> None:
+    assert MessageFilter(match, None).decide(ENVELOPE) is expected
+
+
+def test_filter_function_errors_name_what_is_missing() -> None:
+    with pytest.raises(SharedStreamConfigError, match="cannot import module 'no_such_pkg'"):
+        MessageFilter(None, "no_such_pkg.f").decide(ENVELOPE)
+    with pytest.raises(SharedStreamConfigError, match="has no callable 'nope'"):
+        MessageFilter(None, "json.nope").decide(ENVELOPE)

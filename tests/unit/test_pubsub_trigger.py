@@ -1,0 +1,355 @@
+"""Pub/Sub trigger and producer units: key, serialization, config, connection, ack results, lanes."""
+# mypy: disable-error-code="no-untyped-call"
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
+from airflow_shared_stream_provider.triggers.pubsub import (
+    PubSubSharedStreamTrigger,
+    PubSubStreamSettings,
+    split_subscription,
+)
+
+SUB = "projects/proj-a/subscriptions/orders-sub"
+
+
+def trigger(**kwargs: Any) -> PubSubSharedStreamTrigger:
+    kwargs.setdefault("subscription", SUB)
+    return PubSubSharedStreamTrigger(**kwargs)
+
+
+# Every producer setting with a non-default value that passes validation.
+CHANGED: dict[str, Any] = {
+    "subscription": "projects/proj-a/subscriptions/other-sub",
+    "gcp_conn_id": "gcp_other",
+    "dead_letter_topic": "projects/proj-a/topics/dead",
+    "max_payload_bytes": 4096,
+    "oversize_policy": "truncate",
+    "max_delivery_attempts": 9,
+    "max_in_flight": 500,
+    "max_messages": 10,
+    "pull_timeout": 2.5,
+    "ack_deadline_seconds": 120,
+    "ack_flush_interval": 0.2,
+}
+
+
+def test_the_key_covers_every_producer_setting() -> None:
+    settings_fields = {f.name for f in dataclasses.fields(PubSubStreamSettings)}
+    # project_id is folded into the subscription path; tested separately below.
+    assert settings_fields - {"project_id"} == set(CHANGED)
+    base = trigger().shared_stream_key()
+    for name, value in CHANGED.items():
+        assert trigger(**{name: value}).shared_stream_key() != base, name
+
+
+def test_a_short_name_without_project_keeps_project_id_in_the_key() -> None:
+    short = PubSubSharedStreamTrigger(subscription="orders-sub")
+    assert short.settings.project_id is None
+    assert short.shared_stream_key() != trigger().shared_stream_key()
+    assert (
+        short.shared_stream_key()
+        != PubSubSharedStreamTrigger(subscription="orders-sub", gcp_conn_id="x").shared_stream_key()
+    )
+
+
+def test_filters_do_not_change_the_key_and_spellings_of_one_subscription_share_it() -> None:
+    base = trigger().shared_stream_key()
+    assert trigger(match={"body.region": "eu"}).shared_stream_key() == base
+    assert trigger(filter_function="tests.integration.contract.reject_flagged").shared_stream_key() == base
+    assert trigger(on_filter_error="skip").shared_stream_key() == base
+    assert PubSubSharedStreamTrigger(subscription="orders-sub", project_id="proj-a").shared_stream_key() == base
+    # A short dead-letter topic is resolved in the subscription's project.
+    assert (
+        trigger(dead_letter_topic="dead").shared_stream_key()
+        == trigger(dead_letter_topic="projects/proj-a/topics/dead").shared_stream_key()
+    )
+
+
+def test_serialize_round_trips_and_holds_no_secret() -> None:
+    original = trigger(dead_letter_topic="dead", match={"attributes.kind": ["a", "b"]}, max_messages=7)
+    path, kwargs = original.serialize()
+    assert path == "airflow_shared_stream_provider.triggers.pubsub.PubSubSharedStreamTrigger"
+    json.dumps(kwargs)  # JSON-safe
+    assert kwargs["gcp_conn_id"] == "google_cloud_default"
+    assert not {"keyfile_dict", "key_path", "credentials", "password"} & set(kwargs)
+    again = PubSubSharedStreamTrigger(**kwargs)
+    assert again.serialize() == (path, kwargs)
+    assert again.shared_stream_key() == original.shared_stream_key()
+
+
+def test_a_subclass_serializes_under_its_own_path_and_shares_the_stream() -> None:
+    class OnlyBig(PubSubSharedStreamTrigger):
+        def accept(self, envelope: Any) -> bool:
+            return bool(envelope["body"]["amount"] > 100)
+
+    sub = OnlyBig(subscription=SUB)
+    assert sub.serialize()[0].endswith("OnlyBig")
+    assert sub.shared_stream_key() == trigger().shared_stream_key()
+
+
+def test_importing_the_trigger_loads_no_google_library() -> None:
+    code = (
+        "import sys; import airflow_shared_stream_provider.triggers.pubsub as m; "
+        "m.PubSubSharedStreamTrigger(subscription='projects/p-1/subscriptions/abc').serialize(); "
+        "bad = sorted(n for n in sys.modules if n.startswith(('google', 'grpc'))); print(bad); "
+        "raise SystemExit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("orders-sub", (None, "orders-sub")),
+        ("projects/my-proj/subscriptions/orders.v2", ("my-proj", "orders.v2")),
+        ("projects/p1/subscriptions/a~b+c%d_e-f", ("p1", "a~b+c%d_e-f")),
+    ],
+)
+def test_subscription_paths_parse(given: str, expected: tuple[str | None, str]) -> None:
+    assert split_subscription(given) == expected
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "ab",  # too short
+        "1abc",  # must start with a letter
+        "goog-sub",  # reserved prefix
+        "projects/p/topics/t-abc",  # a topic path
+        "projects//subscriptions/abc",
+        "projects/p/subscriptions/abc/extra",
+        "with space",
+    ],
+)
+def test_bad_subscriptions_are_refused_at_parse_time(bad: str) -> None:
+    with pytest.raises(SharedStreamConfigError, match="subscription"):
+        trigger(subscription=bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"project_id": "proj-b"}, "project_id"),
+        ({"subscription": ""}, "subscription"),
+        ({"dead_letter_topic": "projects/p/subscriptions/x-abc"}, "dead_letter_topic"),
+        ({"max_messages": 0}, "max_messages"),
+        ({"max_messages": 1001}, "max_messages"),
+        ({"max_messages": True}, "max_messages"),
+        ({"pull_timeout": 0}, "pull_timeout"),
+        ({"ack_deadline_seconds": 5}, "ack_deadline_seconds"),
+        ({"ack_deadline_seconds": 601}, "ack_deadline_seconds"),
+        ({"ack_deadline_seconds": 30.5}, "ack_deadline_seconds"),
+        ({"ack_flush_interval": -1}, "ack_flush_interval"),
+        ({"gcp_conn_id": ""}, "gcp_conn_id"),
+        ({"max_delivery_attempts": 0}, "max_delivery_attempts"),
+        ({"on_filter_error": "explode"}, "on_filter_error"),
+        ({"match": {"body.x": {"nested": 1}}}, "match"),
+    ],
+)
+def test_config_errors_name_the_setting(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(SharedStreamConfigError, match=match):
+        trigger(**kwargs)
+
+
+def test_short_names_resolve_against_the_connection_project() -> None:
+    settings = PubSubSharedStreamTrigger(subscription="orders-sub", dead_letter_topic="dead").settings
+    path = settings.subscription_path("conn-proj")
+    assert path == "projects/conn-proj/subscriptions/orders-sub"
+    assert settings.dead_letter_topic_path(path) == "projects/conn-proj/topics/dead"
+    with pytest.raises(SharedStreamConfigError, match="no project is known"):
+        settings.subscription_path(None)
+
+
+# -- producer pieces (no broker) -------------------------------------------------------------------
+
+
+def test_run_is_not_a_standalone_path() -> None:
+    with pytest.raises(NotImplementedError):
+        trigger().run().__anext__().send(None)  # type: ignore[attr-defined]
+
+
+async def test_connection_extras_with_the_old_prefix_and_emulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow_shared_stream_provider.producers.pubsub import load_connection
+
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_GCP_OLD",
+        json.dumps({"conn_type": "google_cloud_platform", "extra": {"extra__google_cloud_platform__project": "old-p"}}),
+    )
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", "127.0.0.1:1")
+    conn = await load_connection("gcp_old")
+    assert (conn.project, conn.credentials, conn.emulator_host) == ("old-p", None, "127.0.0.1:1")
+    missing = await load_connection("no_such_conn")  # a missing connection is not an error (ADC)
+    assert missing.project is None
+
+
+async def test_bad_keyfile_error_names_the_extra_never_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow_shared_stream_provider.producers.pubsub import load_connection
+
+    secret = '{"type": "service_account", "private_key": "TOPSECRET-KEY-MATERIAL"}'
+    monkeypatch.delenv("PUBSUB_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_GCP_BAD",
+        json.dumps({"conn_type": "google_cloud_platform", "extra": {"keyfile_dict": secret}}),
+    )
+    with pytest.raises(SharedStreamConfigError) as info:
+        await load_connection("gcp_bad")
+    assert "keyfile_dict" in str(info.value)
+    assert "TOPSECRET" not in str(info.value)
+    assert info.value.__cause__ is None
+
+
+async def test_key_secret_name_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow_shared_stream_provider.producers.pubsub import load_connection
+
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_GCP_SM", json.dumps({"conn_type": "google_cloud_platform", "extra": {"key_secret_name": "k"}})
+    )
+    with pytest.raises(SharedStreamConfigError, match="key_secret_name"):
+        await load_connection("gcp_sm")
+
+
+def test_exactly_once_ack_failures_are_read_from_error_info() -> None:
+    from google.api_core import exceptions as gexc
+    from google.rpc.error_details_pb2 import ErrorInfo
+
+    from airflow_shared_stream_provider.producers.pubsub import ack_failures
+
+    info = ErrorInfo(
+        reason="EXACTLY_ONCE_ACKID_FAILURE",
+        metadata={"a1": "PERMANENT_FAILURE_INVALID_ACK_ID", "a2": "TRANSIENT_FAILURE_UNORDERED_ACK_ID"},
+    )
+    exc = gexc.InvalidArgument("some acks failed", details=[info], error_info=info)
+    assert ack_failures(exc) == {"a1": "PERMANENT_FAILURE_INVALID_ACK_ID", "a2": "TRANSIENT_FAILURE_UNORDERED_ACK_ID"}
+    assert ack_failures(gexc.ServiceUnavailable("down")) is None
+
+
+class FakeSubscriber:
+    """Answers Acknowledge / ModifyAckDeadline from a script of exceptions (None = success)."""
+
+    def __init__(self, script: list[BaseException | None]) -> None:
+        self.script = script
+        self.calls: list[tuple[str, list[str]]] = []
+
+    async def _answer(self, name: str, request: dict[str, Any]) -> None:
+        self.calls.append((name, list(request["ack_ids"])))
+        outcome = self.script.pop(0) if self.script else None
+        if outcome is not None:
+            raise outcome
+
+    async def acknowledge(self, *, request: dict[str, Any], **_: Any) -> None:
+        await self._answer("ack", request)
+
+    async def modify_ack_deadline(self, *, request: dict[str, Any], **_: Any) -> None:
+        await self._answer("modify", request)
+
+
+def producer(**kwargs: Any) -> Any:
+    from airflow_shared_stream_provider.producers.pubsub import PubSubSharedStreamProducer
+
+    trig = trigger(**kwargs)
+    made = PubSubSharedStreamProducer(trig.settings, stream_key=trig.shared_stream_key())
+    made.subscription_path = SUB
+    return made
+
+
+async def test_exactly_once_acks_retry_transient_ids_and_report_permanent_ones() -> None:
+    from google.api_core import exceptions as gexc
+    from google.rpc.error_details_pb2 import ErrorInfo
+
+    info = ErrorInfo(
+        reason="EXACTLY_ONCE_ACKID_FAILURE",
+        metadata={"a1": "PERMANENT_FAILURE_INVALID_ACK_ID", "a2": "TRANSIENT_FAILURE_OTHER"},
+    )
+    made = producer()
+    fake = FakeSubscriber([gexc.InvalidArgument("eod", details=[info], error_info=info), None])
+    made._subscriber = fake
+    lost = await made._send("ack", ["a1", "a2", "a3"])
+    assert lost == ["a1"]
+    assert fake.calls == [("ack", ["a1", "a2", "a3"]), ("ack", ["a2"])]
+    assert made.counters.leases_lost == 1
+
+
+async def test_a_call_that_keeps_failing_is_raised_not_reported_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    from google.api_core import exceptions as gexc
+
+    import airflow_shared_stream_provider.producers.pubsub as mod
+
+    monkeypatch.setattr(mod, "RPC_RETRIES", 2)
+    made = producer()
+    made._subscriber = FakeSubscriber([gexc.ServiceUnavailable("down")] * 10)
+    with pytest.raises(gexc.ServiceUnavailable):
+        await made._send("ack", ["a1"])
+    made._subscriber = FakeSubscriber([gexc.PermissionDenied("no")])
+    with pytest.raises(gexc.PermissionDenied):
+        await made._send("ack", ["a1"])
+
+
+async def test_one_invalid_ack_id_does_not_sink_the_batch() -> None:
+    from google.api_core import exceptions as gexc
+
+    made = producer()
+    fake = FakeSubscriber([gexc.InvalidArgument("Invalid ack id (ack_id=a2)"), None, gexc.InvalidArgument("bad"), None])
+    made._subscriber = fake
+    assert await made._send("ack", ["a1", "a2", "a3"]) == ["a2"]
+    assert fake.calls[1:] == [("ack", ["a1"]), ("ack", ["a2"]), ("ack", ["a3"])]
+
+
+def _delivery(ack_id: str, key: str = "", pull_index: int = 1) -> Any:
+    from airflow_shared_stream_provider._core.envelope import StreamMessage
+    from airflow_shared_stream_provider.producers.pubsub import PubSubDelivery
+
+    return PubSubDelivery(
+        StreamMessage(envelope={}, seq=1),
+        1,
+        ack_id=ack_id,
+        message_id="m-" + ack_id,
+        ordering_key=key,
+        pull_index=pull_index,
+        data=b"x",
+        attributes={},
+        published_at=None,
+    )
+
+
+def test_lanes_are_ordering_keys_else_one_per_message() -> None:
+    made = producer()
+    assert made.get_advance_lane(_delivery("a1", "k")) == made.get_advance_lane(_delivery("a2", "k"))
+    assert made.get_advance_lane(_delivery("a1")) != made.get_advance_lane(_delivery("a2"))
+    assert made.get_advance_lane(_delivery("k")) != made.get_advance_lane(_delivery("a2", "k"))
+
+
+async def test_a_nacked_ordering_key_nacks_its_later_messages_from_earlier_pulls() -> None:
+    from airflow_shared_stream_provider._core.dispositions import Decision, Disposition
+    from airflow_shared_stream_provider._core.producer import Decided
+
+    made = producer()
+    fake = FakeSubscriber([])
+    made._subscriber = fake
+    made._pulls_started = 1
+    commit = Decision(Disposition.COMMIT, "ok")
+    redeliver = Decision(Disposition.REDELIVER, "failed")
+    await made._apply(
+        [
+            Decided(_delivery("k1", "K"), redeliver),
+            Decided(_delivery("k2", "K"), commit),
+            Decided(_delivery("u1"), commit),
+        ]
+    )
+    # k1 nacked at once, and k2 (same key, same pull) with it; the unkeyed message is acked (buffered).
+    assert fake.calls == [("modify", ["k1", "k2"])]
+    assert made._buffer.nacks == []
+    assert made._buffer.acks == ["u1"]
+    # A K message from a later pull (after the redelivery) is acked normally and lifts the barrier.
+    await made._apply([Decided(_delivery("k3", "K", pull_index=2), commit)])
+    assert made._buffer.acks == ["u1", "k3"]
+    assert "K" not in made._key_barriers

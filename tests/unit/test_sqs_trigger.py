@@ -1,0 +1,182 @@
+"""SqsSharedStreamTrigger: identity (key, serialize), parse-time validation, import hygiene."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from airflow_shared_stream_provider import SharedStreamConfigError
+from airflow_shared_stream_provider.triggers.sqs import (
+    SqsSharedStreamTrigger,
+    SqsStreamSettings,
+    is_fifo_url,
+    region_from_queue_url,
+)
+
+QUEUE = "https://sqs.eu-west-1.amazonaws.com/123456789012/orders"
+BASE: dict[str, Any] = {"queue_url": QUEUE, "aws_conn_id": "aws_prod"}
+
+
+class EuOnlyTrigger(SqsSharedStreamTrigger):
+    """A user subclass that only filters: it must share the stream with its siblings."""
+
+    def accept(self, envelope: Any) -> bool:
+        return bool(envelope["body"].get("region") == "eu")
+
+
+_ALTERNATIVES: dict[str, Any] = {
+    "queue_url": "https://sqs.eu-west-1.amazonaws.com/123456789012/refunds",
+    "aws_conn_id": "aws_other",
+    "region_name": "eu-west-1",
+    "dlq_queue_url": QUEUE + "-dlq",
+    "wait_time_seconds": 5,
+    "visibility_timeout": 60,
+    "concurrent_receives": 3,
+    "hold_backoff": 7,
+    "reject_backoff": 30,
+    "max_payload_bytes": 4096,
+    "oversize_policy": "truncate",
+    "max_delivery_attempts": 9,
+    "max_in_flight": 5,
+}
+
+
+def test_every_producer_setting_is_in_the_key() -> None:
+    names = {f.name for f in dataclasses.fields(SqsStreamSettings)}
+    assert names == set(_ALTERNATIVES), "a new setting needs an entry here (and a trigger argument)"
+    base_key = SqsSharedStreamTrigger(**BASE).shared_stream_key()
+    keys = {base_key}
+    for name, value in _ALTERNATIVES.items():
+        key = SqsSharedStreamTrigger(**{**BASE, name: value}).shared_stream_key()
+        assert key != base_key, f"{name} is not part of the shared_stream_key"
+        keys.add(key)
+    assert len(keys) == len(_ALTERNATIVES) + 1
+
+
+def test_filters_and_filter_only_subclasses_share_the_stream() -> None:
+    plain = SqsSharedStreamTrigger(**BASE).shared_stream_key()
+    assert SqsSharedStreamTrigger(**BASE, match={"body.region": "eu"}).shared_stream_key() == plain
+    assert SqsSharedStreamTrigger(**BASE, filter_function="pkg.mod.f").shared_stream_key() == plain
+    assert SqsSharedStreamTrigger(**BASE, on_filter_error="skip").shared_stream_key() == plain
+    assert EuOnlyTrigger(**BASE).shared_stream_key() == plain
+    hash(plain)
+
+
+def test_serialize_round_trips_under_the_real_class_path() -> None:
+    trigger = EuOnlyTrigger(**BASE, dlq_queue_url=QUEUE + "-dlq", match={"attributes.type": ["a", "b"]})
+    classpath, kwargs = trigger.serialize()
+    assert classpath == f"{__name__}.EuOnlyTrigger"
+    json.dumps(kwargs)  # kwargs live in the metadata DB
+    again = EuOnlyTrigger(**kwargs)
+    assert again.serialize() == (classpath, kwargs)
+    assert again.shared_stream_key() == trigger.shared_stream_key()
+    plain_path, _ = SqsSharedStreamTrigger(**BASE).serialize()
+    assert plain_path == "airflow_shared_stream_provider.triggers.sqs.SqsSharedStreamTrigger"
+
+
+def test_serialize_holds_the_connection_id_never_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_AWS_PROD",
+        json.dumps(
+            {
+                "conn_type": "aws",
+                "login": "AKIAEXAMPLEKEYID0000",
+                "password": "very-secret-access-key",
+                "extra": {"aws_session_token": "session-token-secret", "role_arn": "arn:aws:iam::1:role/r"},
+            }
+        ),
+    )
+    trigger = SqsSharedStreamTrigger(**BASE)
+    _, kwargs = trigger.serialize()
+    text = json.dumps(kwargs) + repr(trigger.shared_stream_key())
+    assert kwargs["aws_conn_id"] == "aws_prod"
+    for secret in ("AKIAEXAMPLEKEYID0000", "very-secret-access-key", "session-token-secret"):
+        assert secret not in text
+
+
+def test_the_message_queue_trigger_scheme_builds_the_sqs_trigger() -> None:
+    from airflow.providers.common.messaging.triggers.msg_queue import MessageQueueTrigger
+
+    generic = MessageQueueTrigger(scheme="shared+sqs", queue_url=QUEUE, aws_conn_id="aws_prod", match={"body.a": 1})
+    classpath, kwargs = generic.serialize()
+    assert classpath == "airflow_shared_stream_provider.triggers.sqs.SqsSharedStreamTrigger"
+    rebuilt = SqsSharedStreamTrigger(**kwargs)
+    assert rebuilt.shared_stream_key() == SqsSharedStreamTrigger(**BASE).shared_stream_key()
+    assert rebuilt.match == {"body.a": 1}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"queue_url": "orders"}, "queue_url must be a full SQS queue URL"),
+        ({"queue_url": ""}, "queue_url must be a non-empty string"),
+        ({"queue_url": "https://sqs.eu-west-1.amazonaws.com/1/a b"}, "queue_url must be a full SQS queue URL"),
+        ({"dlq_queue_url": QUEUE}, "dlq_queue_url must differ from queue_url"),
+        ({"dlq_queue_url": "dlq"}, "dlq_queue_url must be a full SQS queue URL"),
+        ({"region_name": "us-east-1"}, "is in region 'eu-west-1' but region_name is 'us-east-1'"),
+        ({"aws_conn_id": ""}, "aws_conn_id must be a non-empty string"),
+        ({"wait_time_seconds": 21}, "wait_time_seconds must be <= 20"),
+        ({"wait_time_seconds": 1.5}, "wait_time_seconds must be an int"),
+        ({"visibility_timeout": 0}, "visibility_timeout must be a number >= 1"),
+        ({"visibility_timeout": 43_201}, "visibility_timeout must be <= 43200"),
+        ({"concurrent_receives": 0}, "concurrent_receives must be a number >= 1"),
+        ({"concurrent_receives": 11}, "concurrent_receives must be <= 10"),
+        ({"hold_backoff": True}, "hold_backoff must be an int"),
+        ({"reject_backoff": -1}, "reject_backoff must be a number >= 0"),
+        ({"max_delivery_attempts": 0}, "max_delivery_attempts"),
+        ({"max_payload_bytes": 10}, "max_payload_bytes"),
+        ({"oversize_policy": "drop"}, "oversize_policy"),
+        ({"on_filter_error": "explode"}, "on_filter_error"),
+        ({"match": {"": 1}}, "match key"),
+        ({"filter_function": "not a path"}, "filter_function"),
+    ],
+)
+def test_bad_arguments_fail_at_parse_time_naming_the_setting(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(SharedStreamConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SqsSharedStreamTrigger(**{**BASE, **kwargs})
+
+
+def test_unknown_arguments_are_refused() -> None:
+    with pytest.raises(TypeError):
+        SqsSharedStreamTrigger(**BASE, sqs_queue=QUEUE)  # type: ignore[call-arg]
+
+
+def test_aws_conn_id_none_means_the_default_credential_chain() -> None:
+    trigger = SqsSharedStreamTrigger(queue_url=QUEUE, aws_conn_id=None)
+    assert trigger.serialize()[1]["aws_conn_id"] is None
+
+
+@pytest.mark.parametrize(
+    ("url", "region"),
+    [
+        ("https://sqs.eu-west-1.amazonaws.com/123456789012/q", "eu-west-1"),
+        ("https://sqs.us-gov-west-1.amazonaws.com/123456789012/q", "us-gov-west-1"),
+        ("https://eu-central-1.queue.amazonaws.com/123456789012/q.fifo", "eu-central-1"),
+        ("https://sqs.cn-north-1.amazonaws.com.cn/123456789012/q", "cn-north-1"),
+        ("http://localhost:4566/000000000000/q", None),
+        ("http://127.0.0.1:5000/123456789012/q", None),
+    ],
+)
+def test_region_is_read_from_regional_queue_urls(url: str, region: str | None) -> None:
+    assert region_from_queue_url(url) == region
+
+
+def test_fifo_is_told_by_the_queue_name() -> None:
+    assert is_fifo_url("https://sqs.eu-west-1.amazonaws.com/1/q.fifo")
+    assert not is_fifo_url(QUEUE)
+    assert SqsSharedStreamTrigger(queue_url=QUEUE + ".fifo").settings.fifo
+
+
+def test_importing_the_trigger_loads_no_aws_sdk() -> None:
+    code = (
+        "import sys, airflow_shared_stream_provider.triggers.sqs as m\n"
+        "m.SqsSharedStreamTrigger(queue_url='https://sqs.eu-west-1.amazonaws.com/1/q')\n"
+        "loaded = [n for n in ('aiobotocore', 'botocore', 'boto3', 'aiohttp') if n in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
