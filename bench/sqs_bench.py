@@ -203,9 +203,12 @@ async def run_ours(endpoint: Endpoint, n: int, messages: int, timeout: float) ->
             "ours to drain",
         )
         seconds, cpu, calls = time.perf_counter() - t0, _cpu() - cpu0, sum(API_CALLS.values())
+        breakdown = dict(API_CALLS)
         failures = len(runner.failures)
         seen = min(runner.count(t) for t in range(n)) / messages
     note = "" if done else "timed out"
+    if os.environ.get("SQS_BENCH_VERBOSE"):
+        print(f"  api calls: {breakdown}", flush=True)
     if failures:
         note += f" {failures} watcher(s) failed"
     return Row("ours", n, messages, seconds, cpu, calls, seen, note.strip())
@@ -469,7 +472,7 @@ if __name__ == "__main__":
     parser.add_argument("--messages", type=int, default=300, help="backlog size per run")
     parser.add_argument("--latency-messages", type=int, default=20)
     parser.add_argument("--rate", type=float, default=5.0, help="messages per second in the latency run")
-    parser.add_argument("--idle", type=float, default=30.0, help="seconds of the idle measurement")
+    parser.add_argument("--idle", type=float, default=45.0, help="seconds of the idle measurement")
     parser.add_argument("--timeout", type=float, default=180.0, help="cap per drain run, seconds")
     parser.add_argument("--skip-upstream", action="store_true")
     parser.add_argument("--write", action="store_true", help="write docs/performance-sqs.md")

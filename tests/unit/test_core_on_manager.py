@@ -151,7 +151,8 @@ async def test_poison_cap_dead_letters_a_message_that_keeps_failing(broker: Memo
             runner.failures.clear()
             runner.pending.clear()
             await runner.remove(1)
-            await wait_until(lambda n=attempt: len(broker.actions) >= n, timeout=10, what="advance")
+            advanced = attempt
+            await wait_until(lambda: len(broker.actions) >= advanced, timeout=10, what="advance")  # noqa: B023
     # Between attempts the failed watcher is still subscribed but excluded from broadcasts, so the
     # redelivery may be held (nobody to deliver to) before the next watcher arrives.
     assert [action for _, action in broker.actions if action != "hold"] == ["redeliver", "dead_letter"]
