@@ -46,6 +46,7 @@ class MemoryBroker:
     committed: list[str] = field(default_factory=list)
     dead_letters: list[tuple[str, str]] = field(default_factory=list)
     actions: list[tuple[str, str]] = field(default_factory=list)
+    producers: list[Any] = field(default_factory=list)  # every producer opened on this broker
     _arrived: asyncio.Event | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -101,6 +102,7 @@ class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, 
 
     async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
         broker = memory_broker(self.settings.broker_name)
+        broker.producers.append(self)
         while True:
             await broker.wait_for_messages()
             credit = await self.wait_for_credit()

@@ -43,6 +43,9 @@ class FlowGate:
         self._wakeup: asyncio.Event | None = None
         self._blocked = False
         self.refs = 0
+        # Events fired by all watchers of the stream: a plain counter bumped per event (cheap);
+        # the producer reports its growth to Stats once per advance batch.
+        self.fired = 0
 
     # -- producer side -------------------------------------------------------------------------
     @property

@@ -24,6 +24,7 @@ class StreamCounters:
     broker: str
     stream: str
     received: int = 0
+    fired: int = 0
     advanced: int = 0
     committed: int = 0
     dead_lettered: int = 0

@@ -75,6 +75,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         self.queue_size, self.ack_timeout = triggerer_limits()
         self._gate: FlowGate | None = None
         self._in_flight = 0
+        self._fired_reported = 0
         self._closed = False
 
     # -- for subclasses ------------------------------------------------------------------------
@@ -96,6 +97,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             gate = gates.acquire(self.stream_key)
             gate.window = flow_window(self.queue_size)
             gate.max_in_flight = self.settings.max_in_flight
+            self._fired_reported = gate.fired  # the gate may outlive an earlier producer
             self._gate = gate
         return self._gate
 
@@ -173,6 +175,10 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         counters.add("held", tally[Disposition.HOLD])
         counters.add("rejected", rejected)
         counters.add("poison", poison)
+        gate = self.gate
+        counters.add("fired", gate.fired - self._fired_reported)
+        self._fired_reported = gate.fired
+        counters.gauge("outstanding", self._in_flight)
 
     async def aclose(self) -> None:
         if self._closed:

@@ -141,6 +141,7 @@ class SharedStreamTrigger(BaseEventTrigger):
                         self._reject(message, f"filter raised {type(exc).__name__}: {exc}")
                     continue
                 if fire:
+                    gate.fired += 1
                     yield self.make_event(message.envelope)
         finally:
             gate.unregister(token)

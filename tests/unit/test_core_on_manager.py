@@ -89,6 +89,9 @@ async def test_fan_out_each_watcher_fires_on_what_it_matches(broker: MemoryBroke
     assert runner.count(2) == 10
     fired3 = sorted(p["body"]["order_id"] for p in runner.persisted[3])
     assert fired3 == [i for i in range(30) if i % 3 != 0 and i % 2 == 0]
+    counters = broker.producers[-1].counters
+    assert (counters.received, counters.committed, counters.advanced) == (30, 30, 30)
+    assert counters.fired == 30 + 10 + len(fired3)
     # One envelope per message, shared by every watcher that fired on it.
     first = {p["message_id"]: p for p in runner.persisted[1]}
     assert all(first[p["message_id"]] is p for p in runner.persisted[2])
