@@ -84,8 +84,14 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         """Human-readable stream identity (topic list, queue URL, subscription path)."""
 
     @abc.abstractmethod
-    async def _apply(self, decided: Sequence[Decided[DeliveryT]]) -> None:
-        """Carry out the dispositions of one lane's batch on the broker, in order."""
+    async def _apply(self, decided: Sequence[Decided[DeliveryT]]) -> Sequence[Decided[DeliveryT]] | None:
+        """
+        Carry out the dispositions of one lane's batch on the broker, in order.
+
+        Return what was actually done when it differs from ``decided`` (e.g. a lost lease turned a
+        delete into a redelivery), same length and order; ``None`` means "as decided". Counters
+        and metrics follow the returned list.
+        """
 
     @abc.abstractmethod
     async def _close(self) -> None:
@@ -151,12 +157,14 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             )
             decided.append(Decided(delivery, decision))
         try:
-            await self._apply(decided)
+            applied = await self._apply(decided)
         finally:
             # Whatever _apply did, these messages left the manager: give the credit back.
             self._in_flight -= len(batch)
             self.gate.advanced(len(batch))
-        self._count(batch, decided)
+        if applied is not None and len(applied) != len(decided):
+            raise RuntimeError(f"{type(self).__name__}._apply returned {len(applied)} results for {len(decided)}")
+        self._count(batch, applied if applied is not None else decided)
 
     def _count(self, batch: Sequence[AdvanceItem], decided: Sequence[Decided[DeliveryT]]) -> None:
         tally = {disposition: 0 for disposition in Disposition}
