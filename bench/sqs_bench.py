@@ -424,7 +424,8 @@ async def main(args: argparse.Namespace) -> None:
             "## SQS",
             "",
             f"Command: `{command.strip()}` (moto {_moto_version()} server in a child process, "
-            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}; "
             f"peak RSS of the bench process {rss_mb:.0f} MB).",
             "",
             "Backlog drain (client CPU and API calls counted in the bench process only; the endpoint runs apart):",

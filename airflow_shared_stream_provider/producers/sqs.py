@@ -19,7 +19,10 @@ Lanes:
   ``advance`` has returned, which would report a delete as done before it is. With the receive
   call as the lane, the messages that arrived together are deleted together, and a slow message
   holds back at most the 9 others of its call (their leases are kept, so SQS does not redeliver
-  them). Standard queues have no ordering to keep.
+  them). Persistence rounds often resolve a call's messages in two or three prefixes, so the
+  deletes of a prefix are held back (still leased) until the call's last message is advanced and
+  then sent as one batch; a clean close sends what is still held back. Standard queues have no
+  ordering to keep.
 
 ==================  ===============================================================================
 outcome             what happens on SQS
@@ -298,6 +301,10 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         self._fences: dict[str, int] = {}
         # MessageId -> times it was held (broadcast to nobody): not delivery attempts.
         self._holds: OrderedDict[str, int] = OrderedDict()
+        # Standard queues: receive call -> messages not advanced yet, and the deletes held back until
+        # the whole call is advanced (one DeleteMessageBatch per receive call).
+        self._call_left: dict[int, int] = {}
+        self._deferred: dict[int, list[SqsDelivery]] = {}
         self._max_hold = self.ack_timeout + max(5.0, self.ack_timeout / 10)
 
     # -- identity ------------------------------------------------------------------------------
@@ -530,6 +537,8 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                         continue
                     self.counters.add("received", len(messages))
                     call = next(self._receive_calls)
+                    if not self._fifo:
+                        self._call_left[call] = len(messages)
                     lease_ends = started + visibility
                     leases = self._leases
                     for raw in messages:
@@ -649,17 +658,24 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         if dead:
             await self._dead_letter(dead)
             deletes.extend(entry.delivery for entry in dead)
+        if not self._fifo:
+            deletes = self._coalesce(entries[0].delivery.receive_call, len(entries), deletes)
         if deletes:
             lost = await self._delete(deletes)
         if visibility:
             await self._release(visibility)
-        for entry in entries:
-            handle = entry.delivery.receipt_handle
+        for handle in [d.receipt_handle for d in deletes] + [e.delivery.receipt_handle for e, _ in visibility]:
             self._in_flight_handles.pop(handle, None)
             if self._leases is not None:
                 self._leases.release(handle)
+        for entry in entries:
             if entry.disposition is Disposition.COMMIT:
                 self._holds.pop(entry.delivery.message_id, None)
+        earlier = len(lost - {entry.delivery.receipt_handle for entry in entries})
+        if earlier:
+            # Held-back deletes an earlier advance already counted as committed: correct the tally.
+            self.counters.committed -= earlier
+            self.counters.add("redelivered", earlier)
         if lost:
             # Deletes refused for a lost lease: SQS delivers those again; count them as such.
             entries = [
@@ -672,6 +688,24 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
             # The base class counts dispositions from this list after _apply: make it say what was
             # done (FIFO releases, lost leases), not what was asked.
             decided[:] = entries
+
+    def _coalesce(self, call: int, advanced: int, deletes: list[SqsDelivery]) -> list[SqsDelivery]:
+        """
+        Standard queues: delete a receive call's messages together, once all of them are advanced.
+
+        A lane is one receive call, but persistence rounds often resolve its messages in two or
+        three prefixes; deleting each prefix would double the delete calls. Deletes of a prefix are
+        held back (the messages stay leased) until the call's last message is advanced, then sent in
+        one batch; a clean close sends what is still held back.
+        """
+        left = self._call_left.get(call, 0) - advanced
+        if left > 0:
+            self._call_left[call] = left
+            if deletes:
+                self._deferred.setdefault(call, []).extend(deletes)
+            return []
+        self._call_left.pop(call, None)
+        return self._deferred.pop(call, []) + deletes
 
     def _fence(self, entries: list[Decided[SqsDelivery]]) -> list[Decided[SqsDelivery]]:
         """FIFO: nothing of a group received with a released message is deleted past it."""
@@ -855,6 +889,20 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
             await self._cancel_receives()
             if self._leases is not None:
                 await self._leases.stop()
+            held_back = [delivery for deliveries in self._deferred.values() for delivery in deliveries]
+            self._deferred.clear()
+            if held_back and self._client is not None and self.release_on_close:
+                # Accepted by every watcher, delete held back for the rest of its receive call.
+                try:
+                    await asyncio.wait_for(self._delete(held_back), timeout=_CLOSE_RELEASE_TIMEOUT)
+                    for delivery in held_back:
+                        self._in_flight_handles.pop(delivery.receipt_handle, None)
+                except Exception as exc:
+                    self.log.warning(
+                        "Could not delete %d accepted SQS message(s) on close (%s); SQS delivers them again",
+                        len(held_back),
+                        exc,
+                    )
             handles = list(self._in_flight_handles)
             self._in_flight_handles.clear()
             if handles and self._client is not None and self.release_on_close:

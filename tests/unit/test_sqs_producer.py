@@ -466,3 +466,54 @@ async def test_missing_queue_is_a_config_error_naming_it(sqs: Any) -> None:
         await wait_until(lambda: 1 in runner.failures, timeout=10, what="the failure")
     message = str(runner.failures[1])
     assert QUEUE in message and "dlq_queue_url" in message and "does not exist" in message
+
+
+async def test_a_receive_call_is_deleted_in_one_batch_even_when_it_resolves_in_parts(sqs: Any) -> None:
+    queue, _ = sqs
+    ids = [queue.publish(order(i)) for i in range(3)]
+    producer = FakeClientProducer(trigger().settings, stream_key=("unit", "parts"))
+    stream = cast(AsyncGenerator[tuple[Any, Any], None], producer.open_stream())
+    try:
+        got = [(await anext(stream))[1] for _ in range(3)]
+        assert len({producer.get_advance_lane(d) for d in got}) == 1  # one lane per receive call
+        await producer.advance([AdvanceItem(got[0], AdvanceOutcome(acked=1, failed=0))])
+        await producer.advance([AdvanceItem(got[1], AdvanceOutcome(acked=0, failed=1))])
+        assert queue.deleted == []  # held back (still leased) until the call is complete
+        assert queue.visibility_changes == [(ids[1], 0)]  # a redelivery is not held back
+        await producer.advance([AdvanceItem(got[2], AdvanceOutcome(acked=1, failed=0))])
+        assert queue.deleted == [ids[0], ids[2]]
+        assert api_calls(queue, "DeleteMessageBatch") == 1
+        assert producer.counters.committed == 2
+    finally:
+        await stream.aclose()
+        await producer.aclose()
+
+
+async def test_a_clean_close_deletes_what_was_held_back_and_releases_the_rest(sqs: Any) -> None:
+    queue, _ = sqs
+    ids = [queue.publish(order(i)) for i in range(2)]
+    producer = FakeClientProducer(trigger().settings, stream_key=("unit", "close"))
+    stream = cast(AsyncGenerator[tuple[Any, Any], None], producer.open_stream())
+    try:
+        got = [(await anext(stream))[1] for _ in range(2)]
+        await producer.advance([AdvanceItem(got[0], AdvanceOutcome(acked=1, failed=0))])
+        assert queue.deleted == []
+    finally:
+        await stream.aclose()
+        await producer.aclose()
+    assert queue.deleted == [ids[0]]
+    assert queue.visibility_changes == [(ids[1], 0)]
+
+
+async def test_concurrent_receives_stay_within_credit_and_deliver_everything(sqs: Any, queue_size: int) -> None:
+    queue, _ = sqs
+    for i in range(200):
+        queue.publish(order(i))
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), executor_hop=True, confirm_interval=0.01) as runner:
+        runner.add(1, trigger(concurrent_receives=4))
+        runner.add(2, trigger(concurrent_receives=4, match={"body.region": "eu"}))
+        await wait_until(lambda: len(queue.deleted) == 200, timeout=60, what="200 deletes")
+        assert not runner.failures, runner.failures
+    assert sorted(p["body"]["order_id"] for p in runner.persisted[1]) == list(range(200))
+    assert runner.count(2) == 67
+    assert max(n for call, n in queue.calls if call == "ReceiveMessage") <= 10

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -248,3 +249,29 @@ async def test_no_credentials_fails_the_group_with_the_cause(
     assert adapter.queue_url in str(error)
     assert "no usable AWS credentials" in str(error)
     assert "aws_no_keys" in str(error)
+
+
+async def test_role_arn_in_the_connection_assumes_the_role(
+    adapter: SqsAdapter, sqs_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if os.environ.get("SQS_ENDPOINT_URL"):
+        pytest.skip("needs an endpoint that also serves STS for a made-up role (moto)")
+    conn = {
+        "conn_type": "aws",
+        "login": "testing",
+        "password": "testing",
+        "extra": {
+            "region_name": "us-east-1",
+            "endpoint_url": sqs_endpoint,
+            "role_arn": "arn:aws:iam::123456789012:role/shared-stream-test",
+            "assume_role_kwargs": {"RoleSessionName": "it", "DurationSeconds": 900},
+        },
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_AWS_ROLE_IT", json.dumps(conn))
+    await adapter.publish(orders(3))
+    manager = SharedStreamManager(ack_timeout=60)
+    async with RunnerSim(manager, confirm_interval=0.05) as runner:
+        runner.add(1, adapter.make_trigger(aws_conn_id="aws_role_it"))
+        await wait_until(lambda: runner.count(1) == 3, timeout=20, what="3 events")
+        await wait_until_settled(adapter, timeout=20)
+        assert not runner.failures
