@@ -56,13 +56,17 @@ class StreamMessage:
     ``seq`` is the flow-control sequence number (see :mod:`.flow`). ``forced_rejection`` is set by
     the producer when every watcher must reject the message (oversize with ``dead_letter``).
     ``rejections`` collects the reasons watchers gave, so the producer can put them in the
-    dead-letter record: the list is shared between watchers on purpose.
+    dead-letter record; ``failures`` the errors of watchers that stopped on this message
+    (``on_filter_error="fail"``), which the producer counts as *failed* although the manager
+    resolved them as accepted when those watchers left. Both lists are shared between watchers on
+    purpose.
     """
 
     envelope: dict[str, Any]
     seq: int
     forced_rejection: str | None = None
     rejections: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
 
 
 def decode_body(data: bytes | str | None) -> tuple[Any, str]:

@@ -41,6 +41,11 @@ class StreamCounters:
     def __post_init__(self) -> None:
         self._tags = {"stream": self.stream}
 
+    def retag(self, stream: str) -> None:
+        """Change the ``stream`` tag once the full stream name is known (e.g. after connecting)."""
+        self.stream = stream
+        self._tags = {"stream": stream}
+
     def add(self, name: str, count: int = 1) -> None:
         if count <= 0:
             return

@@ -16,7 +16,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
-from airflow.triggers.shared_stream import AdvanceItem, SharedStreamProducer
+from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
 from airflow_shared_stream_provider._core.dispositions import Decision, Disposition, decide
 from airflow_shared_stream_provider._core.envelope import BrokerName, StreamMessage, build_envelope
@@ -48,6 +48,19 @@ class Decided(Generic[DeliveryT]):
     @property
     def disposition(self) -> Disposition:
         return self.decision.disposition
+
+
+def _with_recorded_failures(outcome: AdvanceOutcome, message: StreamMessage) -> AdvanceOutcome:
+    """
+    Count watchers that stopped on this message (``on_filter_error="fail"``) as failed.
+
+    The manager resolved them as acked when they unsubscribed while sitting on the message; they
+    recorded their failure on the shared message first, and it is moved back here.
+    """
+    moved = min(len(message.failures), outcome.acked)
+    if not moved:
+        return outcome
+    return AdvanceOutcome(acked=outcome.acked - moved, failed=outcome.failed + moved, rejected=outcome.rejected)
 
 
 def triggerer_limits() -> tuple[int, float]:
@@ -150,7 +163,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         for item in batch:
             delivery: DeliveryT = item.broker_payload
             decision = decide(
-                item.outcome,
+                _with_recorded_failures(item.outcome, delivery.message),
                 delivery_attempt=delivery.delivery_attempt,
                 max_delivery_attempts=max_attempts,
                 rejections=delivery.message.rejections,
@@ -171,7 +184,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         rejected = poison = 0
         for item, entry in zip(batch, decided, strict=True):
             tally[entry.disposition] += 1
-            if item.outcome.rejected:
+            if item.outcome.rejected or entry.delivery.message.rejections:
                 rejected += 1
             elif entry.disposition is Disposition.DEAD_LETTER:
                 poison += 1

@@ -18,10 +18,11 @@ What each watcher does with a message (``filter_shared_stream``), in order:
    * ``"reject"`` (default): logged with its traceback, and the message is rejected, so it is
      dead-lettered intact with the error as the reason. The watcher keeps running.
    * ``"skip"``: logged, the message is skipped for this watcher. The watcher keeps running.
-   * ``"fail"``: the message is rejected (dead-lettered intact, as with ``reject``) and then the
-     exception ends this watcher's trigger (Airflow's trigger failure path). Rejecting first is
-     required: a watcher that leaves while sitting on a message resolves it as *accepted* in the
-     manager (``_SharedStreamGroup.unsubscribe``), which would settle a message nobody handled.
+   * ``"fail"``: the exception ends this watcher's trigger (Airflow's trigger failure path) and
+     the message is redelivered (poison cap included). A watcher that leaves while sitting on a
+     message resolves it as *accepted* in the manager (``_SharedStreamGroup.unsubscribe``), so the
+     watcher first records the failure on the shared message, and the producer counts it as
+     failed (:meth:`SharedStreamProducerBase.advance`).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class SharedStreamTrigger(BaseEventTrigger):
                     continue
                 except Exception as exc:
                     if self.on_filter_error == "fail":
-                        self._reject(message, f"filter raised {type(exc).__name__}: {exc} (watcher stopped)")
+                        message.failures.append(f"filter raised {type(exc).__name__}: {exc}")
                         raise
                     log.exception(
                         "Filter raised on message %s (on_filter_error=%s)",

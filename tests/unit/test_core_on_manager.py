@@ -219,21 +219,19 @@ async def test_a_filter_that_raises_follows_on_filter_error(
         assert "filter raised KeyError" in broker.dead_letters[0][1]
 
 
-async def test_on_filter_error_fail_ends_the_watcher_and_keeps_the_message_in_the_dead_letters(
-    broker: MemoryBroker,
-) -> None:
+async def test_on_filter_error_fail_ends_the_watcher_and_redelivers_the_message(broker: MemoryBroker) -> None:
     ids = publish_orders(broker, 3)
     async with RunnerSim(SharedStreamManager()) as runner:
         runner.add(1, trigger(broker, filter_function=f"{__name__}.broken_filter", on_filter_error="fail"))
         runner.add(2, trigger(broker))
         await persist_until(runner, lambda: 1 in runner.failures, what="watcher 1 failed")
         assert isinstance(runner.failures[1], KeyError)
-        await persist_until(runner, lambda: len(broker.committed) == 2, what="the others committed")
-    # The message the filter choked on is not settled as if handled: it is in the dead letters.
-    [(dead_id, reason)] = broker.dead_letters
-    assert dead_id == ids[1]
-    assert "filter raised KeyError" in reason and "watcher stopped" in reason
-    assert sorted(broker.committed) == sorted([ids[0], ids[2]])
+        await persist_until(runner, lambda: len(broker.committed) == 3, what="all committed")
+    # The manager resolved the choked-on message as accepted when watcher 1 left; the producer
+    # still redelivered it (to watcher 2) instead of settling a message watcher 1 never handled.
+    assert (ids[1], "redeliver") in broker.actions
+    assert not broker.dead_letters
+    assert [p["delivery_attempt"] for p in runner.persisted[2] if p["message_id"] == ids[1]] == [1, 2]
 
 
 async def test_oversize_messages_are_dead_lettered_intact_by_default(broker: MemoryBroker) -> None:
