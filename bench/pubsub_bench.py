@@ -25,15 +25,16 @@ process consuming a backlog (ours, then upstream) and counts messages neither pe
 on the subscription.
 """
 
+# mypy: disable-error-code="no-untyped-call"
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,13 +45,13 @@ from typing import Any
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-home-bench-"))
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 
-from airflow.triggers.base import TriggerEvent  # noqa: E402
-from airflow.triggers.shared_stream import SharedStreamManager  # noqa: E402
+from airflow.triggers.base import TriggerEvent
+from airflow.triggers.shared_stream import SharedStreamManager
 
-from airflow_shared_stream_provider.producers.pubsub import PubSubSharedStreamProducer  # noqa: E402
-from airflow_shared_stream_provider.triggers.pubsub import PubSubSharedStreamTrigger  # noqa: E402
-from devkit.memory import MemorySharedStreamTrigger, memory_broker  # noqa: E402
-from devkit.runner import RunnerSim, wait_until  # noqa: E402
+from airflow_shared_stream_provider.producers.pubsub import PubSubSharedStreamProducer
+from airflow_shared_stream_provider.triggers.pubsub import PubSubSharedStreamTrigger
+from devkit.memory import MemorySharedStreamTrigger, memory_broker
+from devkit.runner import RunnerSim, wait_until
 
 PROJECT = "bench-project"
 PRODUCERS: list[CountingProducer] = []
@@ -68,7 +69,8 @@ class CountingProducer(PubSubSharedStreamProducer):
 
 
 class BenchTrigger(PubSubSharedStreamTrigger):
-    producer_class_path = "bench.pubsub_bench.CountingProducer"
+    # __name__ works both imported and run with -m (then the manager imports it from __main__).
+    producer_class_path = f"{__name__}.CountingProducer"
 
 
 def body(i: int) -> bytes:
@@ -184,6 +186,7 @@ async def run_ours(n: int, messages: int, hop: bool) -> dict[str, Any]:
             elapsed = time.perf_counter() - start
             cpu = time.process_time() - cpu0
             busy_rpcs = producer.rpcs()
+            seen = min(runner.count(i) for i in range(n)) / messages
             await wait_unacked_zero(stream, 60)
             assert not runner.failures, runner.failures
             # Idle: RPCs in 15 s with nothing to read.
@@ -192,7 +195,6 @@ async def run_ours(n: int, messages: int, hop: bool) -> dict[str, Any]:
             idle_rpcs = (producer.rpcs() - idle0) * 4
             # Latency on a live stream: 20 msgs/s for 5 s.
             latencies = await live_latency(stream, runner, n)
-        seen = min(runner.count(i) for i in range(n)) / messages
         return {
             "msgs_s": messages / elapsed,
             "events_s": messages * n / elapsed,
@@ -258,10 +260,8 @@ async def upstream_watcher(
                         await loop.run_in_executor(None, lambda: None)
                     persisted.extend(m.message.message_id for m in response.received_messages)
                     break  # the trigger returns after one event; the triggerer runs a new one
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=poke)
-                except TimeoutError:
-                    pass
         finally:
             await client.transport.close()
 
@@ -363,9 +363,8 @@ async def run_kill(mode: str, messages: int, kills: int) -> list[int]:
         stream = await Stream().create()
         ids = set(await stream.publish([body(i) for i in range(messages)]))
         out_path = tempfile.mkstemp(prefix="pubsub-kill-")[1]
-        child = subprocess.Popen(
-            [sys.executable, "-m", "bench.pubsub_bench", "--child", mode, stream.subscription, out_path],
-            env=os.environ.copy(),
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.pubsub_bench", "--child", mode, stream.subscription, out_path
         )
         # Kill while the backlog is being consumed.
         deadline = time.monotonic() + 120
@@ -375,7 +374,7 @@ async def run_kill(mode: str, messages: int, kills: int) -> list[int]:
                 if sum(1 for _ in f) >= messages // 3:
                     break
         os.kill(child.pid, signal.SIGKILL)
-        child.wait()
+        await child.wait()
         with open(out_path, encoding="utf-8") as f:  # noqa: ASYNC230 - tiny local file
             persisted = {line.strip() for line in f if line.strip()}
         os.unlink(out_path)
@@ -397,10 +396,12 @@ async def bench(args: argparse.Namespace) -> None:
     watchers = [int(x) for x in args.watchers.split(",")]
     rows = []
     for n in watchers:
+        # Ceiling right before ours, so both see the same machine (the emulator's JVM shares the
+        # 2 cores and keeps working after a run); the upstream run, which loads it most, goes last.
+        ceiling = await run_ceiling(n, args.messages, args.hop)
         ours = await run_ours(n, args.messages, args.hop)
         upstream_messages = min(args.messages, args.upstream_messages)
         upstream = await run_upstream(n, upstream_messages, args.hop)
-        ceiling = await run_ceiling(n, args.messages, args.hop)
         rows.append((n, ours, upstream, ceiling))
         print(f"N={n}: ours={ours}\n      upstream={upstream}\n      ceiling={ceiling}", flush=True)
     print()
@@ -445,8 +446,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # Run inside the importable module, so the producer the manager imports by path
-    # (bench.pubsub_bench.CountingProducer) registers in the same PRODUCERS list.
-    import bench.pubsub_bench
-
-    bench.pubsub_bench.main()
+    main()
