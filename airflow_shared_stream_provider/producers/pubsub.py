@@ -313,6 +313,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         connection = await load_connection(settings.gcp_conn_id)
         self.subscription_path = settings.subscription_path(connection.project)
         self.dead_letter_topic_path = settings.dead_letter_topic_path(self.subscription_path)
+        self.counters.retag(self.subscription_path)  # metrics carry the full path from here on
         if connection.emulator_host:
             options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
             self._subscriber = SubscriberAsyncClient(
