@@ -34,6 +34,7 @@ Choices (Airflow 3.3):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -325,6 +326,9 @@ class AirflowEnv:
         # The SimpleAuthManager only generates passwords for users missing from this file.
         (self.home / "simple_auth_manager_passwords.json").write_text(json.dumps({"admin": self.admin_password}))
         self._process_env = self.build_env()
+        # Also stop the components if the caller never reaches stop() (an uncaught exception
+        # outside a with-block, sys.exit): no orphaned scheduler keeps running.
+        atexit.register(self.stop)
         self.migrate()
         names = [name for name in COMPONENTS if self.api_server or name != "api-server"]
         for name in names:
@@ -367,6 +371,7 @@ class AirflowEnv:
 
     def stop(self) -> None:
         """Stop every component (process groups), close the client, delete a temporary home."""
+        atexit.unregister(self.stop)
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -469,12 +474,24 @@ class AirflowEnv:
 
     def api(self, method: str, path: str, **kwargs: Any) -> Any:
         """Call the public REST API as ``admin``; return the decoded JSON (None for an empty body)."""
-        headers = {"Authorization": f"Bearer {self.token()}"}
-        response = self.client.request(method, path, headers=headers, **kwargs)
-        if response.status_code == 401:
-            self._token = None
-            headers = {"Authorization": f"Bearer {self.token()}"}
-            response = self.client.request(method, path, headers=headers, **kwargs)
+        extra_headers = dict(kwargs.pop("headers", {}) or {})
+        response: httpx.Response | None = None
+        for attempt in range(4):
+            try:
+                headers = {**extra_headers, "Authorization": f"Bearer {self.token()}"}
+                response = self.client.request(method, path, headers=headers, **kwargs)
+            except httpx.TransportError:
+                if attempt == 3:
+                    raise
+                time.sleep(1.0 + attempt)
+                continue
+            if response.status_code == 401:
+                self._token = None
+                continue
+            if response.status_code < 500 or attempt == 3:
+                break
+            time.sleep(1.0 + attempt)  # a busy SQLite answers 500 now and then: retry
+        assert response is not None
         if response.status_code >= 400:
             raise AirflowEnvError(f"{method} {path} -> {response.status_code}: {response.text[:2000]}")
         return response.json() if response.content else None
@@ -547,18 +564,32 @@ class AirflowEnv:
             self.api("PATCH", f"/api/v2/dags/{dag_id}", json={"is_paused": True})
 
     def asset_events(self, asset_name: str | None = None) -> list[dict[str, Any]]:
-        """Every asset event (optionally of one asset, by exact name), oldest first."""
-        params: dict[str, Any] = {"order_by": "timestamp"}
-        if asset_name is not None:
-            asset = self.asset(asset_name)
-            if asset is None:
-                return []
-            params["asset_id"] = asset["id"]
-        return self._paged("/api/v2/assets/events", "asset_events", params)
+        """
+        Every asset event (optionally of one asset), oldest first: ``id``, ``name`` (the asset's),
+        ``extra`` (decoded JSON) and ``timestamp``.
 
-    def asset_event_count(self, asset_id: int) -> int:
-        body = self.api("GET", "/api/v2/assets/events", params={"asset_id": asset_id, "limit": 1})
-        return int(body["total_entries"])
+        Read from the metadata DB (read-only) rather than ``GET /api/v2/assets/events``: in Airflow
+        3.3.2 that endpoint answers 500 while an event is linked to a Dag run that has not started
+        yet (``created_dagruns[].start_date`` is required but None), which is the normal state of a
+        busy asset-triggered Dag.
+        """
+        sql = (
+            "SELECT e.id, a.name, e.extra, e.timestamp FROM asset_event e JOIN asset a ON a.id = e.asset_id"
+            + (" WHERE a.name = ?" if asset_name is not None else "")
+            + " ORDER BY e.id"
+        )
+        rows = self.query_db(sql, (asset_name,) if asset_name is not None else ())
+        return [
+            {"id": int(i), "name": str(n), "extra": json.loads(x) if x else None, "timestamp": str(t)}
+            for i, n, x, t in rows
+        ]
+
+    def asset_event_counts(self) -> dict[str, int]:
+        """``asset name -> number of asset events`` (metadata DB, read-only)."""
+        rows = self.query_db(
+            "SELECT a.name, count(e.id) FROM asset a LEFT JOIN asset_event e ON e.asset_id = a.id GROUP BY a.name"
+        )
+        return {str(name): int(count) for name, count in rows}
 
     def assets(self) -> list[dict[str, Any]]:
         return self._paged("/api/v2/assets", "assets", {"only_active": True})
@@ -577,6 +608,16 @@ class AirflowEnv:
         for run in self.dag_runs(dag_id):
             states[str(run["state"])] = states.get(str(run["state"]), 0) + 1
         return states
+
+    def queued_asset_events(self, dag_id: str) -> int:
+        """How many assets have queued events (``AssetDagRunQueue`` rows) waiting for a run of ``dag_id``."""
+        body = self.api("GET", f"/api/v2/dags/{dag_id}/assets/queuedEvents")
+        return int(body["total_entries"])
+
+    def dag_idle(self, dag_id: str) -> bool:
+        """No queued or running run, and no queued asset event that would create one."""
+        states = self.dag_run_states(dag_id)
+        return not states.get("queued") and not states.get("running") and self.queued_asset_events(dag_id) == 0
 
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
         body = self.api(

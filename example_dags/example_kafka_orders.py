@@ -33,10 +33,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from airflow.sdk import Asset, AssetWatcher, dag, task
 from order_events import record_receipts, unique_envelopes
 from orders_spark import build_orders_spark_pipeline
 
-from airflow.sdk import Asset, AssetWatcher, dag, task
 from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger
 
 TOPIC = os.environ.get("ORDERS_TOPIC", "orders")

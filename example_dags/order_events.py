@@ -1,7 +1,8 @@
 """
 Reading shared-stream asset events in a Dag, idempotently (imported by the example Dag files).
 
-Each asset event's ``extra`` is the message **envelope** the watcher fired on::
+An asset event fired by a watcher carries the trigger's payload, the message **envelope**, under
+``extra["payload"]`` (Airflow stores trigger events as ``{"from_trigger": true, "payload": ...}``)::
 
     {"broker": "kafka", "source": "orders", "message_id": "orders/2/17", "body": {...},
      "body_encoding": "json", "attributes": {...}, "published_at": "...", "delivery_attempt": 1,
@@ -34,6 +35,16 @@ def output_dir() -> Path:
     return path
 
 
+def envelope_of(extra: Any) -> dict[str, Any] | None:
+    """The envelope in an asset event's ``extra`` (None if the event did not come from a watcher)."""
+    if not isinstance(extra, Mapping):
+        return None
+    payload = extra.get("payload") if extra.get("from_trigger") else extra
+    if isinstance(payload, Mapping) and payload.get("message_id"):
+        return dict(payload)
+    return None
+
+
 def unique_envelopes(triggering_asset_events: Mapping[Any, Iterable[Any]] | None) -> list[dict[str, Any]]:
     """
     The envelopes of a run's triggering asset events, deduplicated on ``message_id``.
@@ -45,12 +56,10 @@ def unique_envelopes(triggering_asset_events: Mapping[Any, Iterable[Any]] | None
     seen: dict[str, dict[str, Any]] = {}
     for events in (triggering_asset_events or {}).values():
         for event in events:
-            extra = getattr(event, "extra", None)
-            if extra is None and isinstance(event, Mapping):
-                extra = event.get("extra")
-            if not isinstance(extra, Mapping) or not extra.get("message_id"):
-                continue
-            seen.setdefault(str(extra["message_id"]), dict(extra))
+            extra = event.get("extra") if isinstance(event, Mapping) else getattr(event, "extra", None)
+            envelope = envelope_of(extra)
+            if envelope is not None:
+                seen.setdefault(str(envelope["message_id"]), envelope)
     return sorted(seen.values(), key=_message_order)
 
 

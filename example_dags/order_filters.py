@@ -54,4 +54,3 @@ def is_big_order(envelope: Mapping[str, Any]) -> bool:
     if order_problem(envelope) is not None:
         return False
     return float(envelope["body"]["amount"]) >= BIG_ORDER_AMOUNT
-

@@ -17,9 +17,9 @@ Idempotency (a re-run, a retry or a redelivered message never double-counts):
   delivered twice (triggerer crash before the offset commit) is counted in the first batch only;
 * ``max_active_runs=1``: batches are written one at a time.
 
-Spark: ``local[*]`` unless the Airflow connection ``spark_orders`` (id configurable with the
-``ORDERS_SPARK_CONN_ID`` environment variable of the Dag processor) exists; then its host says where
-(``local[2]``, ``spark://master:7077`` for a standalone cluster, or a ``spark_connect`` connection for
+Spark: ``local[*]`` by default. When the ``ORDERS_SPARK_CONN_ID`` environment variable (read where
+the Dag file is parsed) names an Airflow connection, its host says where the job runs (``local[2]``,
+``spark://master:7077`` for a standalone cluster, or a ``spark_connect`` connection for
 ``sc://host:15002``) and its extras are Spark settings. See ``docs/spark.md``.
 
 The functions below take plain data (and a SparkSession) so they are unit-testable without Airflow.
@@ -30,18 +30,18 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from order_events import output_dir, unique_envelopes
 from order_filters import order_problem
 
 if TYPE_CHECKING:
+    from airflow.sdk import DAG, Asset
     from pyspark.sql import DataFrame, SparkSession
 
-    from airflow.sdk import DAG, Asset
-
-SPARK_CONN_ID = os.environ.get("ORDERS_SPARK_CONN_ID", "spark_orders")
+# None: local[*]. Set ORDERS_SPARK_CONN_ID (where the Dag file is parsed) to run on what a connection says.
+SPARK_CONN_ID = os.environ.get("ORDERS_SPARK_CONN_ID") or None
 ORDER_COLUMNS = ("message_id", "order_id", "region", "amount", "minute")
 
 # Task-level settings that are right for any master (the connection carries the rest, e.g.
@@ -58,8 +58,8 @@ def order_minute(envelope: Mapping[str, Any]) -> str:
         return "unknown"
     moment = datetime.fromisoformat(str(raw).replace("Z", "+00:00"))
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M")
+        moment = moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M")
 
 
 def order_rows(envelopes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -191,11 +191,8 @@ def build_orders_spark_pipeline(*, dag_id: str, source: Asset, dataset: str) -> 
         def extract(triggering_asset_events: Any = None) -> list[dict[str, Any]]:
             return order_rows(unique_envelopes(triggering_asset_events))
 
-        # The connection is used only if it exists: "" means local[*] (see the module docstring).
-        @task.pyspark(
-            conn_id=f"{{{{ '{SPARK_CONN_ID}' if conn.get('{SPARK_CONN_ID}') else '' }}}}",
-            config_kwargs=SPARK_TASK_CONFIG,
-        )
+        # conn_id None -> local[*]; else the connection's host is the master (see docs/spark.md).
+        @task.pyspark(conn_id=SPARK_CONN_ID, config_kwargs=SPARK_TASK_CONFIG)
         def aggregate(rows: list[dict[str, Any]], spark: Any = None, run_id: str | None = None) -> dict[str, Any]:
             # On a cluster, point ORDERS_SPARK_PATH at storage every executor sees (s3a://, hdfs://).
             root = os.environ.get("ORDERS_SPARK_PATH")
@@ -204,6 +201,6 @@ def build_orders_spark_pipeline(*, dag_id: str, source: Asset, dataset: str) -> 
                 return {"batch_id": None, "received": 0, "new": 0, "duplicates": 0, "groups": 0}
             return write_order_batch(spark, rows, base, batch_id_for(str(run_id)))
 
-        aggregate(extract())
+        aggregate(extract())  # type: ignore[arg-type]  # TaskFlow resolves the XComArg at run time
 
     return orders_spark_pipeline()

@@ -1,0 +1,662 @@
+"""
+The one-command demo: ``python -m devkit.demo``.
+
+On embedded defaults (no Docker, no network) it starts a Kafka-compatible broker (Tansu), creates
+the ``orders`` topic (3 partitions) and its dead-letter topic, starts a throwaway Airflow (SQLite,
+``db migrate``, dag-processor, triggerer, scheduler, api-server), unpauses the example Dags of
+``example_dags/example_kafka_orders.py``, publishes a stream of sample orders (some malformed) and
+shows live progress: messages published, asset events per watcher, Dag runs by state, rows written
+by the PySpark pipeline, the consumer group's committed offsets and the DLQ count. It ends with a
+summary and stops every process it started (``--keep`` leaves them running until Ctrl-C).
+
+Works without a TTY (plain progress lines instead of the live table). Options: ``--messages N``,
+``--rate R`` (messages per second), ``--broker kafka``, ``--keep``, ``--timeout S``.
+
+The scenario helpers (:func:`sample_orders`, :func:`expected_watchers`, :class:`KafkaOrders`) are
+reused by ``tests/e2e``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from devkit.airflow_env import AirflowEnv, AirflowEnvError
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+REPO_ROOT: Final = Path(__file__).resolve().parent.parent
+EXAMPLE_DAGS: Final = REPO_ROOT / "example_dags"
+KAFKA_DAG_FILES: Final = ("example_kafka_orders.py", "order_filters.py", "order_events.py", "orders_spark.py")
+
+TOPIC: Final = "orders"
+DLQ_TOPIC: Final = "orders.dlq"
+PARTITIONS: Final = 3
+GROUP_ID: Final = "airflow-shared-stream.kafka_default.orders"
+
+# The example watchers (asset name == watcher name) and the Dags scheduled on them.
+WATCHERS: Final = ("kafka_orders_eu", "kafka_orders_us_apac", "kafka_orders_big", "kafka_orders_valid")
+CONSUMER_DAGS: Final = (
+    "kafka_orders_eu_consumer",
+    "kafka_orders_us_apac_consumer",
+    "kafka_orders_big_consumer",
+    "kafka_orders_spark_pipeline",
+)
+SPARK_DAG: Final = "kafka_orders_spark_pipeline"
+REGIONS: Final = ("eu", "us", "apac", "latam")
+BIG_ORDER_AMOUNT: Final = 500.0
+DEFAULT_MAX_PAYLOAD_BYTES: Final = 65536
+
+# The connection the PySpark task uses in the demo and the tests: local, cheap on 2 cores.
+SPARK_LOCAL_CONNECTION: Final = {
+    "conn_type": "spark",
+    "host": "local[2]",
+    "extra": {"spark.sql.shuffle.partitions": "2", "spark.default.parallelism": "2"},
+}
+
+
+# -- the scenario ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OrderMessage:
+    """One message to publish: its key, raw value bytes and what kind of input it is."""
+
+    key: bytes
+    value: bytes
+    kind: str  # order | malformed-json | not-an-order | binary | oversize | poison
+
+    def body(self) -> Any:
+        """The body as a watcher sees it (parsed JSON, else None)."""
+        try:
+            return json.loads(self.value.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+
+
+def make_order(order_id: str, region: str, amount: float, created_at: datetime, **extra: Any) -> OrderMessage:
+    body = {
+        "order_id": order_id,
+        "region": region,
+        "amount": round(amount, 2),
+        "created_at": created_at.astimezone(UTC).isoformat().replace("+00:00", "Z"),
+        **extra,
+    }
+    kind = "poison" if extra.get("poison") else "order"
+    return OrderMessage(order_id.encode(), json.dumps(body).encode(), kind)
+
+
+def sample_orders(count: int, *, seed: int = 7, malformed_every: int = 20, prefix: str = "o") -> list[OrderMessage]:
+    """
+    ``count`` messages: well-formed orders over four regions and a few minutes, and every
+    ``malformed_every``-th one malformed (invalid JSON, a JSON array, or an order without amount).
+    """
+    rng = random.Random(seed)
+    start = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    messages: list[OrderMessage] = []
+    for index in range(count):
+        order_id = f"{prefix}{index:06d}"
+        created = start + timedelta(seconds=rng.randrange(0, 300))
+        if malformed_every and index % malformed_every == malformed_every - 1:
+            variant = (index // malformed_every) % 3
+            if variant == 0:
+                messages.append(
+                    OrderMessage(
+                        order_id.encode(), b'{"order_id": "' + order_id.encode() + b'", "region":', "malformed-json"
+                    )
+                )
+            elif variant == 1:
+                messages.append(
+                    OrderMessage(order_id.encode(), json.dumps([order_id, "eu", 12]).encode(), "not-an-order")
+                )
+            else:
+                body = {"order_id": order_id, "region": "eu", "created_at": created.isoformat()}
+                messages.append(OrderMessage(order_id.encode(), json.dumps(body).encode(), "not-an-order"))
+            continue
+        region = REGIONS[rng.randrange(len(REGIONS))]
+        amount = rng.choice([rng.uniform(5, 499), rng.uniform(500, 2000)])
+        messages.append(make_order(order_id, region, amount, created))
+    return messages
+
+
+def order_problem(body: Any) -> str | None:
+    """Independent restatement of ``order_filters.order_problem`` on a parsed body (None = valid)."""
+    if not isinstance(body, dict):
+        return "not an object"
+    if not isinstance(body.get("order_id"), str) or not body["order_id"]:
+        return "order_id"
+    if body.get("region") not in REGIONS:
+        return "region"
+    amount = body.get("amount")
+    if isinstance(amount, bool) or not isinstance(amount, int | float) or amount < 0:
+        return "amount"
+    return None
+
+
+def expected_watchers(
+    message: OrderMessage, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+) -> tuple[set[str], bool]:
+    """
+    Which example watchers must fire on ``message`` and whether it must be dead-lettered.
+
+    Written from the documented semantics (not from the provider's code): an oversize message fires
+    nothing and is dead-lettered; otherwise ``match`` watchers fire on the region, the
+    ``is_big_order`` watcher on valid orders >= 500, the ``require_valid_order`` watcher on valid
+    orders, and it rejects (dead-letters) everything else.
+    """
+    if len(message.value) + 1024 > max_payload_bytes:
+        return set(), True
+    body = message.body()
+    fired: set[str] = set()
+    region = body.get("region") if isinstance(body, dict) else None
+    if region == "eu":
+        fired.add("kafka_orders_eu")
+    if region in ("us", "apac"):
+        fired.add("kafka_orders_us_apac")
+    valid = order_problem(body) is None
+    if valid:
+        fired.add("kafka_orders_valid")
+        if float(body["amount"]) >= BIG_ORDER_AMOUNT:
+            fired.add("kafka_orders_big")
+    return fired, not valid
+
+
+def expected_revenue(messages: Iterable[OrderMessage]) -> dict[tuple[str, str], tuple[int, float]]:
+    """``(region, minute) -> (orders, revenue)`` over the valid, non-oversize orders (unique keys)."""
+    totals: dict[tuple[str, str], tuple[int, float]] = {}
+    for message in messages:
+        fired, _ = expected_watchers(message)
+        if "kafka_orders_valid" not in fired:
+            continue
+        body = message.body()
+        moment = datetime.fromisoformat(str(body["created_at"]).replace("Z", "+00:00")).astimezone(UTC)
+        key = (str(body["region"]), moment.strftime("%Y-%m-%dT%H:%M"))
+        orders, revenue = totals.get(key, (0, 0.0))
+        totals[key] = (orders + 1, revenue + float(body["amount"]))
+    return {key: (orders, round(revenue, 2)) for key, (orders, revenue) in totals.items()}
+
+
+def flush_order(index: int = 0) -> OrderMessage:
+    """A valid order of amount 0 (changes no revenue): sent to flush the tail of a burst into a run."""
+    return make_order(f"flush-{index:06d}", "eu", 0.0, datetime(2026, 1, 1, 12, 0, tzinfo=UTC))
+
+
+# -- Kafka ----------------------------------------------------------------------------------------
+@dataclass
+class Published:
+    message: OrderMessage
+    partition: int
+    offset: int
+
+    @property
+    def message_id(self) -> str:
+        return f"{TOPIC}/{self.partition}/{self.offset}"
+
+
+@dataclass
+class KafkaOrders:
+    """Topic admin, publishing and offset inspection for the ``orders`` stream (aiokafka)."""
+
+    bootstrap: str
+    topic: str = TOPIC
+    dlq_topic: str = DLQ_TOPIC
+    group_id: str = GROUP_ID
+    published: list[Published] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def create_topics(self, partitions: int = PARTITIONS) -> None:
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+        async def create() -> None:
+            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
+            await admin.start()
+            try:
+                existing = set(await admin.list_topics())
+                wanted = [
+                    NewTopic(name, count, 1)
+                    for name, count in ((self.topic, partitions), (self.dlq_topic, 1))
+                    if name not in existing
+                ]
+                if wanted:
+                    await admin.create_topics(wanted)
+            finally:
+                await admin.close()
+
+        asyncio.run(create())
+
+    def publish(
+        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
+    ) -> list[Published]:
+        """Publish in order (acks=all), at most ``rate`` messages per second; return their coordinates."""
+        from aiokafka import AIOKafkaProducer
+
+        async def send() -> list[Published]:
+            producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", max_request_size=4 * 1024 * 1024)
+            await producer.start()
+            out: list[Published] = []
+            started = time.monotonic()
+            try:
+                for index, message in enumerate(messages):
+                    if stop is not None and stop.is_set():
+                        break
+                    if rate:
+                        delay = started + index / rate - time.monotonic()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                    meta = await producer.send_and_wait(self.topic, message.value, key=message.key)
+                    record = Published(message, meta.partition, meta.offset)
+                    out.append(record)
+                    with self._lock:
+                        self.published.append(record)
+            finally:
+                await producer.stop()
+            return out
+
+        return asyncio.run(send())
+
+    def end_offsets(self) -> dict[int, int]:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        async def read() -> dict[int, int]:
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap)
+            await consumer.start()
+            try:
+                partitions = sorted(consumer.partitions_for_topic(self.topic) or range(PARTITIONS))
+                ends = await consumer.end_offsets([TopicPartition(self.topic, p) for p in partitions])
+                return {tp.partition: int(offset) for tp, offset in ends.items()}
+            finally:
+                await consumer.stop()
+
+        return asyncio.run(read())
+
+    def committed(self) -> dict[int, int]:
+        """The consumer group's committed offset per partition (next offset to read; absent = none)."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        async def read() -> dict[int, int]:
+            # A consumer that never subscribes does not join the group: committed() only asks the
+            # group coordinator (OffsetFetch).
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap, group_id=self.group_id, enable_auto_commit=False
+            )
+            await consumer.start()
+            try:
+                partitions = sorted(consumer.partitions_for_topic(self.topic) or range(PARTITIONS))
+                out: dict[int, int] = {}
+                for partition in partitions:
+                    offset = await consumer.committed(TopicPartition(self.topic, partition))
+                    if offset is not None and offset >= 0:
+                        out[partition] = int(offset)
+                return out
+            finally:
+                await consumer.stop()
+
+        return asyncio.run(read())
+
+    def dlq_records(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """Every record of the DLQ topic: key, value and headers."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        async def read() -> list[dict[str, Any]]:
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+            await consumer.start()
+            records: list[dict[str, Any]] = []
+            try:
+                partitions = [
+                    TopicPartition(self.dlq_topic, p)
+                    for p in sorted(consumer.partitions_for_topic(self.dlq_topic) or {0})
+                ]
+                consumer.assign(partitions)
+                await consumer.seek_to_beginning(*partitions)
+                ends = await consumer.end_offsets(partitions)
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    positions = [await consumer.position(tp) for tp in partitions]
+                    if all(pos >= ends[tp] for pos, tp in zip(positions, partitions, strict=True)):
+                        break
+                    batch = await consumer.getmany(*partitions, timeout_ms=500)
+                    for tp_records in batch.values():
+                        for record in tp_records:
+                            records.append(
+                                {
+                                    "key": record.key,
+                                    "value": record.value,
+                                    "headers": {k: v.decode("utf-8", "replace") for k, v in record.headers},
+                                }
+                            )
+            finally:
+                await consumer.stop()
+            return records
+
+        return asyncio.run(read())
+
+
+# -- Spark output ---------------------------------------------------------------------------------
+def spark_output_rows(dataset_dir: Path) -> dict[str, int]:
+    """Rows in the pipeline's Parquet datasets (read with pyarrow: no JVM needed)."""
+    counts = {"order_lines": 0, "revenue_by_region_minute": 0, "batches": 0}
+    try:
+        import pyarrow.dataset as ds
+    except ImportError:  # pragma: no cover - pyarrow comes with the spark extra's pandas
+        return counts
+    for name in ("order_lines", "revenue_by_region_minute"):
+        path = dataset_dir / name
+        if path.exists() and any(path.glob("batch_id=*/*.parquet")):
+            counts[name] = ds.dataset(str(path), format="parquet", partitioning="hive").count_rows()
+    lines = dataset_dir / "order_lines"
+    if lines.exists():
+        counts["batches"] = sum(1 for p in lines.glob("batch_id=*") if any(p.glob("*.parquet")))
+    return counts
+
+
+def spark_revenue(dataset_dir: Path) -> dict[tuple[str, str], tuple[int, float]]:
+    """``(region, minute) -> (orders, revenue)`` summed over every batch of the revenue dataset."""
+    import pyarrow.dataset as ds
+
+    path = dataset_dir / "revenue_by_region_minute"
+    if not path.exists() or not any(path.glob("batch_id=*/*.parquet")):
+        return {}
+    table = ds.dataset(str(path), format="parquet", partitioning="hive").to_table(
+        columns=["region", "minute", "orders", "revenue"]
+    )
+    totals: dict[tuple[str, str], tuple[int, float]] = {}
+    for row in table.to_pylist():
+        key = (str(row["region"]), str(row["minute"]))
+        orders, revenue = totals.get(key, (0, 0.0))
+        totals[key] = (orders + int(row["orders"]), revenue + float(row["revenue"]))
+    return {key: (orders, round(revenue, 2)) for key, (orders, revenue) in totals.items()}
+
+
+def spark_message_ids(dataset_dir: Path) -> list[str]:
+    import pyarrow.dataset as ds
+
+    path = dataset_dir / "order_lines"
+    if not path.exists() or not any(path.glob("batch_id=*/*.parquet")):
+        return []
+    table = ds.dataset(str(path), format="parquet", partitioning="hive").to_table(columns=["message_id"])
+    return [str(v) for v in table.column("message_id").to_pylist()]
+
+
+# -- the Airflow side -----------------------------------------------------------------------------
+def kafka_connection(bootstrap: str) -> dict[str, Any]:
+    return {"conn_type": "kafka", "extra": {"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest"}}
+
+
+def build_dags_folder(target: Path, files: Iterable[str] = KAFKA_DAG_FILES, extra: Iterable[Path] = ()) -> Path:
+    """Copy the example Dag files (and any ``extra`` files) into ``target``."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        shutil.copy2(EXAMPLE_DAGS / name, target / name)
+    for path in extra:
+        shutil.copy2(path, target / path.name)
+    return target
+
+
+# -- the demo -------------------------------------------------------------------------------------
+@dataclass
+class Snapshot:
+    elapsed: float
+    published: int
+    events: dict[str, int]
+    expected: dict[str, int]
+    runs: dict[str, dict[str, int]]
+    spark_rows: dict[str, int]
+    committed: dict[int, int]
+    end_offsets: dict[int, int]
+    dlq: int
+    expected_dlq: int
+
+
+def render_table(snapshot: Snapshot) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"airflow-shared-stream demo  ({snapshot.elapsed:5.0f}s)", expand=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_column("detail")
+    table.add_row("messages published", str(snapshot.published), f"topic {TOPIC} ({PARTITIONS} partitions)")
+    for name in WATCHERS:
+        table.add_row(
+            f"asset events {name}", str(snapshot.events.get(name, 0)), f"expected {snapshot.expected.get(name, 0)}"
+        )
+    for dag_id in CONSUMER_DAGS:
+        states = snapshot.runs.get(dag_id, {})
+        table.add_row(
+            f"runs {dag_id}", str(sum(states.values())), ", ".join(f"{k}={v}" for k, v in sorted(states.items()))
+        )
+    table.add_row(
+        "PySpark output rows",
+        str(snapshot.spark_rows.get("order_lines", 0)),
+        f"revenue rows {snapshot.spark_rows.get('revenue_by_region_minute', 0)}, "
+        f"batches {snapshot.spark_rows.get('batches', 0)}",
+    )
+    committed = ", ".join(
+        f"p{p}={snapshot.committed.get(p, '-')}/{end}" for p, end in sorted(snapshot.end_offsets.items())
+    )
+    table.add_row("committed offsets", str(sum(snapshot.committed.values())), committed + f"  (group {GROUP_ID})")
+    table.add_row("dead-lettered", str(snapshot.dlq), f"topic {DLQ_TOPIC}, expected {snapshot.expected_dlq}")
+    return table
+
+
+def render_line(snapshot: Snapshot) -> str:
+    events = " ".join(
+        f"{name.removeprefix('kafka_orders_')}={snapshot.events.get(name, 0)}/{snapshot.expected.get(name, 0)}"
+        for name in WATCHERS
+    )
+    spark_states = snapshot.runs.get(SPARK_DAG, {})
+    return (
+        f"[{snapshot.elapsed:5.0f}s] published={snapshot.published} events: {events} | "
+        f"spark runs {dict(sorted(spark_states.items()))} rows={snapshot.spark_rows.get('order_lines', 0)} | "
+        f"committed={sum(snapshot.committed.values())}/{sum(snapshot.end_offsets.values())} "
+        f"dlq={snapshot.dlq}/{snapshot.expected_dlq}"
+    )
+
+
+class _InterruptedError(Exception):
+    pass
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from devkit.brokers import start_kafka
+
+    started = time.monotonic()
+    interactive = sys.stdout.isatty() and not args.plain
+    say = print
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        raise _InterruptedError(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    workdir = Path(tempfile.mkdtemp(prefix="shared-stream-demo-"))
+    output_dir = workdir / "output"
+    kafka = None
+    env: AirflowEnv | None = None
+    publisher: threading.Thread | None = None
+    stop_publishing = threading.Event()
+    exit_code = 0
+    try:
+        say(f"work dir: {workdir}")
+        say("starting Kafka-compatible broker (Tansu) ...")
+        kafka = start_kafka()
+        orders = KafkaOrders(kafka.address)
+        orders.create_topics()
+        say(f"  broker {kafka.address}; topics {TOPIC} ({PARTITIONS} partitions) and {DLQ_TOPIC} created")
+
+        dags = build_dags_folder(workdir / "dags")
+        env = AirflowEnv(
+            dags,
+            connections={"kafka_default": kafka_connection(kafka.address), "spark_orders": SPARK_LOCAL_CONNECTION},
+            env={"ORDERS_OUTPUT_DIR": str(output_dir), "ORDERS_SPARK_CONN_ID": "spark_orders"},
+            triggerer={"shared_stream_cohort_grace_period": 2.0, "shared_stream_ack_timeout": 120.0},
+            home=workdir / "airflow-home",
+            startup_timeout=args.timeout,
+        )
+        say("starting Airflow: db migrate, dag-processor, triggerer, scheduler, api-server ...")
+        env.start()
+        say(f"  Airflow UI / REST API: {env.login_hint()}")
+        env.wait_for_dags(CONSUMER_DAGS, timeout=args.timeout)
+        env.unpause(CONSUMER_DAGS)
+        env.wait_for_watchers(WATCHERS, timeout=args.timeout)
+        say(f"  {len(CONSUMER_DAGS)} Dags unpaused; {len(WATCHERS)} watchers share one consumer of {TOPIC!r}")
+
+        messages = sample_orders(args.messages)
+        expected: dict[str, int] = dict.fromkeys(WATCHERS, 0)
+        expected_dlq = 0
+        for message in messages:
+            fired, dead = expected_watchers(message)
+            for name in fired:
+                expected[name] += 1
+            expected_dlq += int(dead)
+        say(f"publishing {len(messages)} orders at {args.rate}/s ({expected_dlq} malformed) ...")
+        publisher = threading.Thread(
+            target=orders.publish, args=(messages,), kwargs={"rate": args.rate, "stop": stop_publishing}, daemon=True
+        )
+        publisher.start()
+
+        deadline = time.monotonic() + args.timeout + len(messages) / max(args.rate, 0.1)
+        flushed = False
+        snapshot: Snapshot | None = None
+
+        def take() -> Snapshot:
+            env_ = env
+            assert env_ is not None
+            return Snapshot(
+                elapsed=time.monotonic() - started,
+                published=len(orders.published),
+                events={name: count for name, count in env_.asset_event_counts().items() if name in WATCHERS},
+                expected=expected,
+                runs={dag_id: env_.dag_run_states(dag_id) for dag_id in CONSUMER_DAGS},
+                spark_rows=spark_output_rows(output_dir / "kafka"),
+                committed=orders.committed(),
+                end_offsets=orders.end_offsets(),
+                dlq=len(orders.dlq_records(timeout=2.0)),
+                expected_dlq=expected_dlq,
+            )
+
+        def done(s: Snapshot) -> bool:
+            runs_idle = all(not st.get("running") and not st.get("queued") for st in s.runs.values())
+            return (
+                s.published >= len(messages)
+                and all(s.events.get(n, 0) >= expected[n] for n in WATCHERS)
+                and s.committed == s.end_offsets
+                and s.dlq >= expected_dlq
+                and flushed
+                and runs_idle
+                and s.spark_rows.get("order_lines", 0) >= expected["kafka_orders_valid"]
+            )
+
+        def step() -> Snapshot:
+            nonlocal flushed
+            env_ = env
+            assert env_ is not None
+            env_.check_alive()
+            s = take()
+            all_in = s.published >= len(messages) and all(s.events.get(n, 0) >= expected[n] for n in WATCHERS)
+            if not flushed and all_in and env_.dag_idle(SPARK_DAG):
+                # Airflow consumes, per asset-triggered run, the events up to the moment the run was
+                # queued; events of a burst that arrive while a run is queued wait for the next
+                # event. One more order, sent while the pipeline is idle, flushes them into a run.
+                orders.publish([flush_order()])
+                for name in expected_watchers(flush_order())[0]:
+                    expected[name] += 1
+                flushed = True
+            return s
+
+        if interactive:
+            from rich.live import Live
+
+            with Live(render_table(take()), refresh_per_second=1, transient=False) as live:
+                while True:
+                    snapshot = step()
+                    live.update(render_table(snapshot))
+                    if done(snapshot) or time.monotonic() > deadline:
+                        break
+                    time.sleep(args.interval)
+        else:
+            while True:
+                snapshot = step()
+                say(render_line(snapshot), flush=True)
+                if done(snapshot) or time.monotonic() > deadline:
+                    break
+                time.sleep(args.interval)
+
+        assert snapshot is not None
+        ok = done(snapshot)
+        revenue = spark_revenue(output_dir / "kafka")
+        say("")
+        say("summary")
+        say(f"  messages published : {snapshot.published} (incl. 1 flush order)")
+        for name in WATCHERS:
+            say(f"  asset events {name:<22}: {snapshot.events.get(name, 0)} (expected >= {expected[name]})")
+        for dag_id in CONSUMER_DAGS:
+            say(f"  Dag runs {dag_id:<30}: {dict(sorted(snapshot.runs.get(dag_id, {}).items()))}")
+        total_revenue = round(sum(r for _, r in revenue.values()), 2)
+        say(
+            f"  PySpark output     : {snapshot.spark_rows} {len(revenue)} region/minute groups, revenue={total_revenue}"
+        )
+        say(f"  committed offsets  : {snapshot.committed} of {snapshot.end_offsets} (group {GROUP_ID})")
+        say(f"  dead-lettered      : {snapshot.dlq} (expected {expected_dlq}) in {DLQ_TOPIC}")
+        say(f"  result             : {'OK' if ok else 'INCOMPLETE (timed out)'}")
+        exit_code = 0 if ok else 1
+        if args.keep:
+            say(f"--keep: everything keeps running. UI: {env.login_hint()}. Ctrl-C to stop.")
+            while True:
+                env.check_alive()
+                time.sleep(5)
+    except (KeyboardInterrupt, _InterruptedError):
+        say("\ninterrupted: cleaning up")
+        exit_code = 130
+    except AirflowEnvError as exc:
+        say(f"\nAirflow failed: {exc}")
+        exit_code = 1
+    finally:
+        stop_publishing.set()
+        if publisher is not None:
+            publisher.join(timeout=30)
+        if env is not None:
+            env.stop()
+        if kafka is not None:
+            kafka.stop()
+        if not args.keep_files:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            say(f"files kept in {workdir}")
+        say(f"total run time: {time.monotonic() - started:.1f}s")
+    return exit_code
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m devkit.demo", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument("--messages", type=int, default=200, help="orders to publish (default 200)")
+    parser.add_argument("--rate", type=float, default=20.0, help="messages per second (default 20)")
+    parser.add_argument("--broker", choices=["kafka"], default="kafka", help="only kafka for now")
+    parser.add_argument("--keep", action="store_true", help="keep everything running after the summary (Ctrl-C stops)")
+    parser.add_argument("--keep-files", action="store_true", help="keep the work dir (logs, DB, Parquet output)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each phase (default 600)")
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between progress updates")
+    parser.add_argument("--plain", action="store_true", help="plain progress lines even on a TTY")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_demo(parse_args(argv))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""
+SQS: four AssetWatchers share ONE poller of the ``orders`` queue.
+
+Same shape as ``example_kafka_orders.py``: the watchers pass identical producer settings (queue URL,
+connection, DLQ queue, ...), so the triggerer runs one receive loop and broadcasts each message to
+the four filters. A message is deleted from the queue only after every watcher's asset event for
+it is stored (or it was moved to the DLQ queue); until then its visibility timeout is extended, up
+to ``[triggerer] shared_stream_ack_timeout``.
+
+Connection: the Amazon provider's shape, e.g. ``AIRFLOW_CONN_AWS_DEFAULT='{"conn_type": "aws",
+"extra": {"region_name": "eu-west-1"}}'`` (add ``"endpoint_url"`` for a local endpoint).
+
+Environment knobs (read when the Dag file is parsed): ``ORDERS_SQS_QUEUE_URL``,
+``ORDERS_SQS_DLQ_URL``, ``ORDERS_AWS_CONN_ID`` (default ``aws_default``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from airflow.sdk import Asset, AssetWatcher, dag, task
+from order_events import record_receipts, unique_envelopes
+from orders_spark import build_orders_spark_pipeline
+
+from airflow_shared_stream_provider.triggers.sqs import SqsSharedStreamTrigger
+
+QUEUE_URL = os.environ.get("ORDERS_SQS_QUEUE_URL", "https://sqs.eu-west-1.amazonaws.com/123456789012/orders")
+DLQ_URL = os.environ.get("ORDERS_SQS_DLQ_URL", "https://sqs.eu-west-1.amazonaws.com/123456789012/orders-dlq")
+AWS_CONN_ID = os.environ.get("ORDERS_AWS_CONN_ID", "aws_default")
+
+
+def orders_watcher(name: str, **watcher_filter: Any) -> AssetWatcher:
+    """A watcher on the shared SQS stream: same producer settings, its own filter."""
+    trigger = SqsSharedStreamTrigger(
+        queue_url=QUEUE_URL, aws_conn_id=AWS_CONN_ID, dlq_queue_url=DLQ_URL, **watcher_filter
+    )
+    return AssetWatcher(name=name, trigger=trigger)
+
+
+orders_eu = Asset("sqs_orders_eu", watchers=[orders_watcher("sqs_orders_eu", match={"body.region": "eu"})])
+orders_us_apac = Asset(
+    "sqs_orders_us_apac", watchers=[orders_watcher("sqs_orders_us_apac", match={"body.region": ["us", "apac"]})]
+)
+orders_big = Asset(
+    "sqs_orders_big", watchers=[orders_watcher("sqs_orders_big", filter_function="order_filters.is_big_order")]
+)
+orders_valid = Asset(
+    "sqs_orders_valid",
+    watchers=[orders_watcher("sqs_orders_valid", filter_function="order_filters.require_valid_order")],
+)
+
+
+def consumer_dag(dag_id: str, asset: Asset, sink: str) -> None:
+    @dag(dag_id=dag_id, schedule=[asset], max_active_runs=1, catchup=False, tags=["shared-stream", "sqs"])
+    def consumer() -> None:
+        @task
+        def handle_orders(triggering_asset_events: Any = None) -> dict[str, int]:
+            envelopes = unique_envelopes(triggering_asset_events)  # dedup on message_id
+            return {"events": len(envelopes), **record_receipts(envelopes, sink)}
+
+        handle_orders()
+
+    consumer()
+
+
+consumer_dag("sqs_orders_eu_consumer", orders_eu, "sqs_eu")
+consumer_dag("sqs_orders_us_apac_consumer", orders_us_apac, "sqs_us_apac")
+consumer_dag("sqs_orders_big_consumer", orders_big, "sqs_big")
+build_orders_spark_pipeline(dag_id="sqs_orders_spark_pipeline", source=orders_valid, dataset="sqs")

@@ -1,0 +1,84 @@
+"""
+End-to-end fixtures: one real Airflow (SQLite, dag-processor, triggerer, scheduler, api-server) and
+one Kafka-compatible broker (Tansu) for the whole session; the tests publish to the same ``orders``
+stream one after another and assert on what they published (message ids are unique per offset).
+
+``KAFKA_BOOTSTRAP_SERVERS`` points the suite at an existing broker instead of Tansu.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devkit.airflow_env import AirflowEnv
+from devkit.brokers import BrokerProcess, start_kafka
+from devkit.demo import (
+    CONSUMER_DAGS,
+    EXAMPLE_DAGS,
+    SPARK_LOCAL_CONNECTION,
+    WATCHERS,
+    KafkaOrders,
+    build_dags_folder,
+    kafka_connection,
+)
+
+E2E_DAGS = Path(__file__).parent / "dags"
+PRIORITY_WATCHER = "kafka_orders_priority"
+ALL_WATCHERS = (*WATCHERS, PRIORITY_WATCHER)
+ALL_DAGS = (*CONSUMER_DAGS, "kafka_orders_priority_consumer")
+
+# The example Dags' helper modules (orders_spark, order_events, order_filters) for in-process tests.
+if str(EXAMPLE_DAGS) not in sys.path:
+    sys.path.insert(0, str(EXAMPLE_DAGS))
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    configured = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if configured:
+        yield configured
+        return
+    broker: BrokerProcess = start_kafka()
+    try:
+        yield broker.address
+    finally:
+        broker.stop()
+
+
+@pytest.fixture(scope="session")
+def orders(kafka_bootstrap: str) -> KafkaOrders:
+    stream = KafkaOrders(kafka_bootstrap)
+    stream.create_topics()
+    return stream
+
+
+@pytest.fixture(scope="session")
+def output_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("orders-output")
+
+
+@pytest.fixture(scope="session")
+def airflow(orders: KafkaOrders, output_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowEnv]:
+    """Airflow with the example Kafka Dags plus a fifth watcher whose filter raises, all unpaused."""
+    dags = build_dags_folder(
+        tmp_path_factory.mktemp("dags"), extra=[E2E_DAGS / "e2e_filters.py", E2E_DAGS / "e2e_priority_orders.py"]
+    )
+    env = AirflowEnv(
+        dags,
+        connections={"kafka_default": kafka_connection(orders.bootstrap), "spark_orders": SPARK_LOCAL_CONNECTION},
+        env={"ORDERS_OUTPUT_DIR": str(output_dir), "ORDERS_SPARK_CONN_ID": "spark_orders"},
+        triggerer={"shared_stream_cohort_grace_period": 2.0, "shared_stream_ack_timeout": 120.0},
+        home=tmp_path_factory.mktemp("airflow-home"),
+    )
+    with env:
+        env.wait_for_dags(ALL_DAGS)
+        env.unpause(ALL_DAGS)
+        env.wait_for_watchers(ALL_WATCHERS)
+        yield env
+        if os.environ.get("E2E_SHOW_LOGS"):
+            print(env.log_tails(200))
