@@ -64,7 +64,7 @@ import re
 from collections import deque
 from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
 from airflow_shared_stream_provider._core.dispositions import Disposition
@@ -100,6 +100,9 @@ MAX_DESCRIPTION_CHARS: Final = 1024
 CLOSE_TIMEOUT: Final = 5.0
 """Seconds ``aclose`` spends abandoning messages still in flight; the rest wait for lock expiry."""
 
+SETTLE_CONCURRENCY: Final = 1
+"""Settlements awaited at once. Measured on the test broker: 16 concurrent completes (each waiting
+for its echo) contend for the socket and are slower than one at a time, so the default is 1."""
 BUSY_WAIT: Final = 0.05
 """Receive wait (seconds) while messages are in flight, so settlements are not held up."""
 
@@ -239,9 +242,9 @@ def lock_seconds_left(message: ServiceBusReceivedMessage, now: datetime | None =
     locked_until = message.locked_until_utc
     if locked_until is None:
         return 0.0
-    current = now or datetime.now(timezone.utc)
+    current = now or datetime.now(UTC)
     if locked_until.tzinfo is None:
-        locked_until = locked_until.replace(tzinfo=timezone.utc)
+        locked_until = locked_until.replace(tzinfo=UTC)
     return (locked_until - current).total_seconds()
 
 
@@ -283,6 +286,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         self._closing = False
         self.close_timeout = CLOSE_TIMEOUT
         self.busy_wait = BUSY_WAIT
+        self.settle_concurrency = SETTLE_CONCURRENCY
 
     def source_label(self) -> str:
         return self.settings.entity_path
@@ -347,6 +351,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         settings = self.settings
         counters = self.counters
         entity_path = self.entity_path
+        idle = False
         while True:
             # Settlements and renewals first: they are what keeps locks valid and credit flowing.
             if self._requests:
@@ -356,20 +361,23 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                 await self._wait_for_credit_or_requests()
                 continue
             credit = await self.wait_for_credit()
-            # While messages are in flight a settlement may be requested at any moment, and it
-            # waits for this call to return: keep the wait short then (with prefetch an empty
-            # receive sends no frame, so this costs no AMQP operation).
-            busy = bool(self._unsettled)
+            # Wait long only when truly idle. While messages are in flight a settlement may be
+            # requested at any moment and it waits for this call to return; and right after a
+            # non-empty batch the SDK may hold fewer buffered messages than asked for, in which
+            # case it serves them only after the whole wait. A short wait costs no AMQP operation
+            # with prefetch (an empty receive sends no frame).
+            busy = bool(self._unsettled) or not idle
             batch = await receiver.receive_messages(
                 max_message_count=min(credit, settings.max_message_count),
                 max_wait_time=min(self.busy_wait, settings.max_wait_time) if busy else settings.max_wait_time,
             )
             if not busy or settings.prefetch_count == 0 or batch:
                 counters.add("api_calls")
+            idle = not batch
             if not batch:
                 continue
             counters.add("received", len(batch))
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
             stale = 0
             for raw in batch:
                 left = lock_seconds_left(raw, now)
@@ -420,8 +428,6 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         """Carry out queued settlements and renewals, in order, on the receiving receiver."""
         while self._requests:
             request = self._requests.popleft()
-            if not self._requests:
-                self._request_ready.clear()
             if request.kind == "renew":
                 try:
                     result = await self._renew_now(receiver, request.tokens)
@@ -431,9 +437,29 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                     raise
                 if request.future is not None and not request.future.done():
                     request.future.set_result(result)
-            else:
-                for entry in request.entries:
-                    await self._settle_one(receiver, entry)
+                continue
+            # Consecutive settle requests are merged and settled ``settle_concurrency`` at a time
+            # (never overlapping a receive call).
+            pending = deque(request.entries)
+            while self._requests and self._requests[0].kind == "settle":
+                pending.extend(self._requests.popleft().entries)
+            try:
+                while pending:
+                    chunk = [pending.popleft() for _ in range(min(self.settle_concurrency, len(pending)))]
+                    try:
+                        if len(chunk) == 1:
+                            await self._settle_one(receiver, chunk[0])
+                        else:
+                            await asyncio.gather(*(self._settle_one(receiver, entry) for entry in chunk))
+                    except BaseException:
+                        pending.extendleft(reversed(chunk))
+                        raise
+            finally:
+                if pending:
+                    # Cancelled (the group is stopping) or failed mid-batch: keep what is left for
+                    # ``aclose``, which settles it before closing the receiver.
+                    self._requests.appendleft(_Request("settle", entries=tuple(pending)))
+                    self._request_ready.set()
         self._request_ready.clear()
 
     # -- lock renewal --------------------------------------------------------------------------
@@ -511,6 +537,8 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
 
     async def _settle_one(self, receiver: ServiceBusReceiver, entry: Decided[ServiceBusDelivery]) -> None:
         delivery = entry.delivery
+        if delivery.lock_token not in self._unsettled:
+            return  # settled already (a batch retried after a cancellation)
         try:
             await self._settle(receiver, entry)
         except (MessageLockLostError, SessionLockLostError) as exc:
@@ -528,8 +556,8 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
             self.log.warning(
                 "%s: message %s was already settled", self.entity_path, delivery.message.envelope["message_id"]
             )
-        finally:
-            self._forget(delivery.lock_token)
+        # Anything else (cancellation included) leaves the message unsettled for aclose.
+        self._forget(delivery.lock_token)
 
     async def _settle(self, receiver: ServiceBusReceiver, entry: Decided[ServiceBusDelivery]) -> None:
         message = entry.delivery.raw
@@ -552,6 +580,17 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
 
     # -- close ---------------------------------------------------------------------------------
     async def _close(self) -> None:
+        # Shielded: the manager's stop can cancel the poll task while it awaits aclose (a cancelled
+        # caller of ``group.stop()`` propagates into it); an interrupted close would strand settled
+        # outcomes and leave buffered messages locked until expiry instead of released.
+        task = asyncio.ensure_future(self._close_now())
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait({task}, timeout=self.close_timeout + 5.0)
+            raise
+
+    async def _close_now(self) -> None:
         self._closing = True
         keeper, self._keeper = self._keeper, None
         if keeper is not None:
@@ -563,11 +602,12 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
             if receiver is not None:
                 try:
                     await asyncio.wait_for(self._finish(receiver), timeout=self.close_timeout)
-                except (TimeoutError, ServiceBusError):
+                except Exception:
                     self.log.warning(
                         "%s: could not settle / abandon every in-flight message on close; the rest return "
                         "at lock expiry",
                         self.entity_path,
+                        exc_info=True,
                     )
         finally:
             for request in self._requests:

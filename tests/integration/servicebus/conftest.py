@@ -18,6 +18,7 @@ inspection API, or by peeking with a separate SDK client.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -58,7 +59,7 @@ class ServiceBusEnv:
 
     def __init__(self, connection_string: str, handle: Any | None) -> None:
         self.connection_string = connection_string
-        self.handle = handle  # tests.servicebus_broker.broker.BrokerHandle, or None when external
+        self.handle: Any = handle  # tests.servicebus_broker.broker.BrokerHandle, or None when external
         self.client: ServiceBusClient | None = None
         self._created: list[str] = []
 
@@ -79,10 +80,8 @@ class ServiceBusEnv:
 
             async with ServiceBusAdministrationClient.from_connection_string(self.connection_string) as admin:
                 for name in self._created:
-                    try:
+                    with contextlib.suppress(Exception):
                         await admin.delete_queue(name)
-                    except Exception:
-                        pass
 
     # -- entities ----------------------------------------------------------------------------
     async def create_queue(
@@ -121,15 +120,12 @@ class ServiceBusEnv:
         **message_kwargs: Any,
     ) -> None:
         assert self.client is not None
+        properties: dict[str | bytes, Any] | None = {k: v for k, v in attributes.items()} if attributes else None
         async with self.client.get_queue_sender(queue) as sender:
             for start in range(0, len(bodies), 100):
                 batch = await sender.create_message_batch()
                 for body in bodies[start : start + 100]:
-                    batch.add_message(
-                        ServiceBusMessage(
-                            body, application_properties=dict(attributes) if attributes else None, **message_kwargs
-                        )
-                    )
+                    batch.add_message(ServiceBusMessage(body, application_properties=properties, **message_kwargs))
                 await sender.send_messages(batch)
 
     # -- inspection (independent of the producer) --------------------------------------------
