@@ -267,22 +267,27 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             self.counters.add("received", received)
 
     async def _credit_or_keepalive(self, consumer: AIOKafkaConsumer) -> int:
-        """Credit for the next fetch; while there is none, pause partitions and keep polling."""
+        """
+        Credit for the next fetch. Running out of credit is normal (a fetch yields a whole batch
+        before watchers run): wait for it first. Only a stall longer than ``poll_timeout`` pauses
+        the partitions and polls empty fetches, which keeps this member in the group while
+        ``max.poll.interval.ms`` runs. Pausing is not the fast path because aiokafka drops the
+        prefetched records of a paused partition and must fetch them again on resume.
+        """
         credit = self.gate.credit()
-        if credit > 0:
-            if self._paused:
-                consumer.resume(*consumer.assignment())
-                self._paused = False
-            return credit
-        if not self._paused:
-            consumer.pause(*consumer.assignment())
-            self._paused = True
-        try:
-            return await asyncio.wait_for(self.wait_for_credit(), timeout=self.settings.poll_timeout)
-        except TimeoutError:
-            # Paused partitions return nothing; polling keeps this member in the group.
-            await consumer.getmany(timeout_ms=0)
-            return 0
+        if credit == 0:
+            try:
+                credit = await asyncio.wait_for(self.wait_for_credit(), timeout=self.settings.poll_timeout)
+            except TimeoutError:
+                if not self._paused:
+                    consumer.pause(*consumer.assignment())
+                    self._paused = True
+                await consumer.getmany(timeout_ms=0)  # paused partitions return nothing
+                return 0
+        if self._paused:
+            consumer.resume(*consumer.assignment())
+            self._paused = False
+        return credit
 
     def get_advance_lane(self, broker_payload: KafkaDelivery) -> Hashable:
         tp: Hashable = broker_payload.tp
