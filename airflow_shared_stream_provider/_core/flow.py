@@ -42,6 +42,10 @@ class FlowGate:
         self._floor = 0
         self._wakeup: asyncio.Event | None = None
         self._blocked = False
+        # While blocked, a watcher's pull wakes the producer only once it brings that watcher's
+        # lag down to half a window: N watchers then cost N wake-ups per half window, not one
+        # wake-up (and an O(N) minimum) per watcher per message.
+        self._resume_seq = 0
         self.refs = 0
         # Events fired by all watchers of the stream: a plain counter bumped per event (cheap);
         # the producer reports its growth to Stats once per advance batch.
@@ -82,6 +86,7 @@ class FlowGate:
             if self._wakeup is None:
                 self._wakeup = asyncio.Event()
             self._wakeup.clear()
+            self._resume_seq = self._produced - self.window // 2
             self._blocked = True
             try:
                 await self._wakeup.wait()
@@ -105,7 +110,7 @@ class FlowGate:
     def consumed(self, token: int, seq: int) -> None:
         """A watcher pulled message ``seq`` from its queue."""
         self._consumed[token] = seq
-        if self._blocked:
+        if self._blocked and seq >= self._resume_seq:
             self._wake()
 
     # -- internals -----------------------------------------------------------------------------
