@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -106,6 +108,8 @@ class CaseSpec:
     ends: tuple[int, ...] = ()
     session_timeout_ms: int = 3000
     ceiling_gated: bool = True
+    ceiling_pool: int = 1000
+    gc_freeze: bool = False
     batch_size: int = 500
 
     def argv(self) -> list[str]:
@@ -132,6 +136,9 @@ class CaseSpec:
             str(self.session_timeout_ms),
             "--ceiling-flow",
             "gated" if self.ceiling_gated else "ungated",
+            "--ceiling-pool",
+            str(self.ceiling_pool),
+            *(["--gc-freeze"] if self.gc_freeze else []),
         ]
 
 
@@ -341,6 +348,7 @@ async def run_kafka_case(spec: CaseSpec, profile: str | None = None, emit: Emit 
     try:
         runner = CountingRunner(manager=manager, executor_hop=spec.hop, confirm_interval=CONFIRM_INTERVAL)
         async with runner:
+            _maybe_freeze(spec)
             profiler = _start_profile(profile)
             window = Window()
             for trigger_id, trigger in enumerate(triggers):
@@ -382,8 +390,8 @@ async def run_kafka_case(spec: CaseSpec, profile: str | None = None, emit: Emit 
 
 async def run_ceiling_case(spec: CaseSpec, profile: str | None = None, emit: Emit | None = None) -> dict[str, Any]:
     name = f"ceiling-{uuid.uuid4().hex[:8]}"
-    bodies = (order_body(i, spec.n) for i in range(spec.messages))
-    stream = prebuild(name, bodies, batch_size=spec.batch_size, gated=spec.ceiling_gated)
+    bodies = [order_body(i, spec.n) for i in range(min(spec.messages, spec.ceiling_pool))]
+    stream = prebuild(name, bodies, messages=spec.messages, batch_size=spec.batch_size, gated=spec.ceiling_gated)
     split = spec.mode == "split"
     triggers = [
         PrebuiltMemoryTrigger(broker_name=name, match={"body.bucket": i} if split else None) for i in range(spec.n)
@@ -395,6 +403,7 @@ async def run_ceiling_case(spec: CaseSpec, profile: str | None = None, emit: Emi
     status = "ok"
     runner = CountingRunner(manager=manager, executor_hop=spec.hop, confirm_interval=CONFIRM_INTERVAL)
     async with runner:
+        _maybe_freeze(spec)
         profiler = _start_profile(profile)
         window = Window()
         for trigger_id, trigger in enumerate(triggers):
@@ -438,6 +447,17 @@ async def run_ceiling_case(spec: CaseSpec, profile: str | None = None, emit: Emi
     return result
 
 
+def _maybe_freeze(spec: CaseSpec) -> None:
+    """
+    ``--gc-freeze``: move everything alive before the clock (Airflow, the clients, the triggers)
+    to the permanent GC generation, as a triggerer could after start-up. Every cyclic-GC pass then
+    walks only what the run allocates; by default each full pass walks Airflow's whole heap.
+    """
+    if spec.gc_freeze:
+        gc.collect()
+        gc.freeze()
+
+
 def _start_profile(path: str | None) -> Any:
     if not path:
         return None
@@ -469,6 +489,8 @@ def case_main(args: argparse.Namespace) -> int:
         ends=tuple(_ints(args.ends)) if args.ends else (),
         session_timeout_ms=args.session_timeout_ms,
         ceiling_gated=args.ceiling_flow == "gated",
+        ceiling_pool=args.ceiling_pool,
+        gc_freeze=args.gc_freeze,
     )
     runner = run_ceiling_case if spec.impl == "ceiling" else run_kafka_case
     result = asyncio.run(runner(spec, args.profile, _emit_and_exit))
@@ -843,12 +865,34 @@ def render_main(path: Path) -> int:
     return 0
 
 
+def source_state() -> dict[str, Any]:
+    """The commit measured, and which files of the provider differ from it (others edit them)."""
+
+    def git(*argv: str) -> str:
+        try:
+            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+        except OSError:
+            return ""
+
+    dirty = git("status", "--porcelain", "--", "airflow_shared_stream_provider", "devkit")
+    return {"commit": git("rev-parse", "HEAD"), "modified": [line[3:] for line in dirty.splitlines()]}
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def driver_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    # SIGTERM (and SIGINT, which a background job ignores) end the run through ``finally``: the
+    # running case is killed and the broker stopped.
+    signal.signal(signal.SIGTERM, _terminate)
     if args.render:
         return render_main(Path(args.render))
     run_started = time.perf_counter()
+    started_at = datetime.now().isoformat(timespec="seconds")
+    source = source_state()
     if args.quick:
         messages = args.messages or 3000
         ns = args.ns or [1, 10]
@@ -895,6 +939,8 @@ def driver_main(args: argparse.Namespace) -> int:
                 ends=ends.get(n, ()),
                 session_timeout_ms=args.session_timeout_ms,
                 ceiling_gated=args.ceiling_flow == "gated",
+                ceiling_pool=args.ceiling_pool,
+                gc_freeze=args.gc_freeze,
             )
             for _ in range(args.repeat)
             for mode in modes
@@ -931,11 +977,21 @@ def driver_main(args: argparse.Namespace) -> int:
         print(goals_table)
     if not args.no_write:
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        suffix = "-quick" if args.quick else ""
+        custom = any(x is not None for x in (args.ns, args.impls, args.modes, args.hops, args.messages))
+        suffix = "".join(
+            part
+            for part, on in (
+                ("-quick", args.quick),
+                ("-custom", custom or args.repeat != 1),
+                ("-gcfreeze", args.gc_freeze),
+            )
+            if on
+        )
         out = Path(args.out) if args.out else RESULTS_DIR / f"kafka-{datetime.now():%Y-%m-%d}{suffix}.json"
         payload = {
             "benchmark": "kafka",
-            "started": datetime.now().isoformat(timespec="seconds"),
+            "started": started_at,
+            "source": source,
             "command": command,
             "wall_s": wall,
             "machine": machine,
@@ -948,6 +1004,8 @@ def driver_main(args: argparse.Namespace) -> int:
             "publish_s": publish_s,
             "session_timeout_ms": args.session_timeout_ms,
             "ceiling_flow": args.ceiling_flow,
+            "ceiling_pool": args.ceiling_pool,
+            "gc_freeze": args.gc_freeze,
             "topic_ends_read": {str(n): list(v) for n, v in ends.items()},
             "topic_ends_listed_by_broker": {str(n): v for n, v in listed_ends.items()},
             "goals": goals,
@@ -997,9 +1055,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="gated",
         help="ceiling producer takes credit from the flow gate (default) or pushes without pacing",
     )
+    parser.add_argument(
+        "--ceiling-pool",
+        type=int,
+        default=1000,
+        help="distinct pre-built envelopes the ceiling cycles through (default 1000; a multiple of every N)",
+    )
     parser.add_argument("--bootstrap", default=None, help="use this broker (else KAFKA_BOOTSTRAP_SERVERS, else Tansu)")
-    parser.add_argument("--out", default=None, help="result file (default bench/results/kafka-<date>.json)")
+    parser.add_argument(
+        "--out", default=None, help="result file (default bench/results/kafka-<date>[-quick][-custom][-gcfreeze].json)"
+    )
     parser.add_argument("--no-write", action="store_true", help="do not write the result file")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() in every case right before the clock (a triggerer tuned after start-up)",
+    )
     parser.add_argument("--render", default=None, help="only print the tables of this results file")
     # One case (what the driver runs in a subprocess).
     parser.add_argument("--case", choices=IMPLS, default=None, help=argparse.SUPPRESS)
