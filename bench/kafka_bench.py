@@ -3,7 +3,7 @@ Kafka benchmark: N watchers on one topic through the real ``SharedStreamManager`
 
 Not a test. From the repository root::
 
-    .venv/bin/python -m bench.kafka_bench            # the full matrix (about 15 minutes on 2 cores)
+    .venv/bin/python -m bench.kafka_bench            # the full matrix (about 12 minutes on 2 cores)
     .venv/bin/python -m bench.kafka_bench --quick    # smoke run: 3000 messages, N = 1, 10
     .venv/bin/python -m bench.kafka_bench --ns 1 --impls ours,upstream --repeat 3
 
