@@ -86,7 +86,6 @@ class MemoryStreamSettings(StreamSettings):
     broker: ClassVar[Literal["kafka"]] = "kafka"  # envelopes need a known broker name; unused otherwise
     broker_name: str
     lanes: bool = False
-    prebuilt: bool = False
 
 
 @dataclass(slots=True)
@@ -162,7 +161,6 @@ class MemorySharedStreamTrigger(SharedStreamTrigger):
         *,
         broker_name: str,
         lanes: bool = False,
-        prebuilt: bool = False,
         match: Mapping[str, Any] | None = None,
         filter_function: str | None = None,
         on_filter_error: FilterErrorPolicy = "reject",
@@ -175,7 +173,6 @@ class MemorySharedStreamTrigger(SharedStreamTrigger):
             settings=MemoryStreamSettings(
                 broker_name=broker_name,
                 lanes=lanes,
-                prebuilt=prebuilt,
                 max_payload_bytes=max_payload_bytes,
                 oversize_policy=oversize_policy,
                 max_delivery_attempts=max_delivery_attempts,

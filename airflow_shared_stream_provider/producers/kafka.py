@@ -347,7 +347,6 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 self.log.warning("Commit of %s@%d dropped: partition no longer assigned (%s)", tp, target, exc)
                 return
             raise
-        lane.committed = target
         highwater = consumer.highwater(tp)
         if highwater is not None:
             self.counters.gauge("consumer_lag", highwater - target, topic=tp.topic, partition=str(tp.partition))

@@ -32,7 +32,6 @@ class Lane:
     done: set[int] = field(default_factory=set)
     redeliver: set[int] = field(default_factory=set)
     high_yielded: int = -1
-    committed: int | None = None
     attempts: dict[int, int] = field(default_factory=dict)
 
     def attempt_of(self, offset: int) -> int:

@@ -68,34 +68,25 @@ def _check_project(field: str, project: str) -> None:
         raise SharedStreamConfigError(f"{field} {project!r} is not a valid Google Cloud project id")
 
 
-def split_subscription(subscription: str) -> tuple[str | None, str]:
-    """``(project or None, short name)`` of a short name or a ``projects/P/subscriptions/S`` path."""
-    if "/" not in subscription:
-        _check_name("subscription", subscription)
-        return None, subscription
-    found = _SUBSCRIPTION_PATH.fullmatch(subscription)
+def _split_path(field: str, value: str, pattern: re.Pattern[str], shape: str) -> tuple[str | None, str]:
+    """``(project or None, short name)`` of a short name or a full ``projects/P/<kind>/N`` path."""
+    if "/" not in value:
+        _check_name(field, value)
+        return None, value
+    found = pattern.fullmatch(value)
     if found is None:
-        raise SharedStreamConfigError(
-            f"subscription {subscription!r} must be a short name or 'projects/<project>/subscriptions/<name>'"
-        )
-    _check_project("subscription project", found["project"])
-    _check_name("subscription", found["name"])
+        raise SharedStreamConfigError(f"{field} {value!r} must be a short name or {shape!r}")
+    _check_project(f"{field} project", found["project"])
+    _check_name(field, found["name"])
     return found["project"], found["name"]
+
+
+def split_subscription(subscription: str) -> tuple[str | None, str]:
+    return _split_path("subscription", subscription, _SUBSCRIPTION_PATH, "projects/<project>/subscriptions/<name>")
 
 
 def split_topic(topic: str) -> tuple[str | None, str]:
-    """``(project or None, short name)`` of a short topic name or a ``projects/P/topics/T`` path."""
-    if "/" not in topic:
-        _check_name("dead_letter_topic", topic)
-        return None, topic
-    found = _TOPIC_PATH.fullmatch(topic)
-    if found is None:
-        raise SharedStreamConfigError(
-            f"dead_letter_topic {topic!r} must be a short name or 'projects/<project>/topics/<name>'"
-        )
-    _check_project("dead_letter_topic project", found["project"])
-    _check_name("dead_letter_topic", found["name"])
-    return found["project"], found["name"]
+    return _split_path("dead_letter_topic", topic, _TOPIC_PATH, "projects/<project>/topics/<name>")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
