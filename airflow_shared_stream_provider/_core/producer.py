@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
-from airflow_shared_stream_provider._core.dispositions import Decision, Disposition, decide
+from airflow_shared_stream_provider._core.dispositions import COMMIT, Decision, Disposition, decide
 from airflow_shared_stream_provider._core.envelope import BrokerName, StreamMessage, build_envelope
 from airflow_shared_stream_provider._core.flow import FlowGate, gates
 from airflow_shared_stream_provider._core.metrics import StreamCounters
@@ -40,14 +40,15 @@ SettingsT = TypeVar("SettingsT", bound=StreamSettings)
 DeliveryT = TypeVar("DeliveryT", bound=Delivery)
 
 
-@dataclass(frozen=True, slots=True)
 class Decided(Generic[DeliveryT]):
-    delivery: DeliveryT
-    decision: Decision
+    """One message's delivery and what is to be done with it (read-only by convention)."""
 
-    @property
-    def disposition(self) -> Disposition:
-        return self.decision.disposition
+    __slots__ = ("decision", "delivery", "disposition")
+
+    def __init__(self, delivery: DeliveryT, decision: Decision) -> None:
+        self.delivery = delivery
+        self.decision = decision
+        self.disposition: Disposition = decision.disposition
 
 
 def _with_recorded_failures(outcome: AdvanceOutcome, message: StreamMessage) -> AdvanceOutcome:
@@ -57,6 +58,8 @@ def _with_recorded_failures(outcome: AdvanceOutcome, message: StreamMessage) -> 
     The manager resolved them as acked when they unsubscribed while sitting on the message; they
     recorded their failure on the shared message first, and it is moved back here.
     """
+    if not message.failures:
+        return outcome
     moved = min(len(message.failures), outcome.acked)
     if not moved:
         return outcome
@@ -154,7 +157,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         the seq taken here must reach the watchers' queues in the same step.
         """
         self._in_flight += 1
-        return StreamMessage(envelope=envelope, seq=self.gate.next_seq(), forced_rejection=forced_rejection)
+        return StreamMessage(envelope, self.gate.next_seq(), forced_rejection)
 
     # -- SharedStreamProducer ------------------------------------------------------------------
     async def advance(self, batch: Sequence[AdvanceItem]) -> None:
@@ -162,12 +165,17 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         decided: list[Decided[DeliveryT]] = []
         for item in batch:
             delivery: DeliveryT = item.broker_payload
-            decision = decide(
-                _with_recorded_failures(item.outcome, delivery.message),
-                delivery_attempt=delivery.delivery_attempt,
-                max_delivery_attempts=max_attempts,
-                rejections=delivery.message.rejections,
-            )
+            outcome = item.outcome
+            message = delivery.message
+            if outcome.acked and not (outcome.failed or outcome.rejected or message.failures or message.rejections):
+                decision = COMMIT  # the common case, without the general mapping's work
+            else:
+                decision = decide(
+                    _with_recorded_failures(outcome, message),
+                    delivery_attempt=delivery.delivery_attempt,
+                    max_delivery_attempts=max_attempts,
+                    rejections=message.rejections,
+                )
             decided.append(Decided(delivery, decision))
         try:
             applied = await self._apply(decided)
@@ -180,20 +188,29 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         self._count(batch, applied if applied is not None else decided)
 
     def _count(self, batch: Sequence[AdvanceItem], decided: Sequence[Decided[DeliveryT]]) -> None:
-        tally = {disposition: 0 for disposition in Disposition}
-        rejected = poison = 0
+        committed = dead_lettered = redelivered = held = rejected = poison = 0
         for item, entry in zip(batch, decided, strict=True):
-            tally[entry.disposition] += 1
-            if item.outcome.rejected or entry.delivery.message.rejections:
+            disposition = entry.disposition
+            if disposition is Disposition.COMMIT:
+                committed += 1
+                continue
+            was_rejected = item.outcome.rejected or entry.delivery.message.rejections
+            if was_rejected:
                 rejected += 1
-            elif entry.disposition is Disposition.DEAD_LETTER:
-                poison += 1
+            if disposition is Disposition.DEAD_LETTER:
+                dead_lettered += 1
+                if not was_rejected:
+                    poison += 1
+            elif disposition is Disposition.REDELIVER:
+                redelivered += 1
+            else:
+                held += 1
         counters = self.counters
-        counters.add("advanced", len(batch))
-        counters.add("committed", tally[Disposition.COMMIT])
-        counters.add("dead_lettered", tally[Disposition.DEAD_LETTER])
-        counters.add("redelivered", tally[Disposition.REDELIVER])
-        counters.add("held", tally[Disposition.HOLD])
+        counters.add("advanced", len(decided))
+        counters.add("committed", committed)
+        counters.add("dead_lettered", dead_lettered)
+        counters.add("redelivered", redelivered)
+        counters.add("held", held)
         counters.add("rejected", rejected)
         counters.add("poison", poison)
         gate = self.gate

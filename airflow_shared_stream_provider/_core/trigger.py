@@ -134,7 +134,7 @@ class SharedStreamTrigger(BaseEventTrigger):
                     continue
                 except Exception as exc:
                     if self.on_filter_error == "fail":
-                        message.failures.append(f"filter raised {type(exc).__name__}: {exc}")
+                        message.fail(f"filter raised {type(exc).__name__}: {exc}")
                         raise
                     log.exception(
                         "Filter raised on message %s (on_filter_error=%s)",
@@ -152,7 +152,7 @@ class SharedStreamTrigger(BaseEventTrigger):
             gates.release(key, gate)
 
     def _reject(self, message: StreamMessage, reason: str) -> None:
-        message.rejections.append(reason)
+        message.reject(reason)
         reject_shared_stream_event()
 
     async def run(self) -> AsyncIterator[TriggerEvent]:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from airflow_shared_stream_provider._core.dispositions import Disposition
-from airflow_shared_stream_provider._core.envelope import iso_timestamp, text_attributes, text_value
+from airflow_shared_stream_provider._core.envelope import build_envelope, iso_from_epoch_ms, text_attributes, text_value
 from airflow_shared_stream_provider._core.errors import (
     BrokerHandleClosedError,
     PartialAssignmentError,
@@ -224,6 +224,9 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
     async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
         consumer = await self._start_consumer()
         poll_ms = int(self.settings.poll_timeout * 1000)
+        group_id = self.group_id
+        max_payload_bytes = self.settings.max_payload_bytes
+        oversize_policy = self.settings.oversize_policy
         while True:
             credit = await self._credit_or_keepalive(consumer)
             if credit == 0:
@@ -235,6 +238,10 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 lane = self._lanes.get(tp)
                 if lane is None:
                     continue  # revoked while the fetch was in flight
+                topic = tp.topic
+                partition = tp.partition
+                id_prefix = f"{topic}/{partition}/"
+                epoch = lane.epoch
                 for record in records:
                     offset = record.offset
                     first_read = lane.admit(offset)
@@ -242,28 +249,30 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                         continue  # in flight or done: a replay after seek-back, not a new message
                     attempt = lane.attempt_of(offset)
                     received += 1
-                    headers = tuple(record.headers or ())
-                    envelope, forced = self.envelope(
-                        source=tp.topic,
-                        message_id=f"{tp.topic}/{tp.partition}/{offset}",
+                    headers = tuple(record.headers)  # already a tuple: no copy
+                    key = record.key
+                    timestamp = record.timestamp
+                    envelope, forced = build_envelope(
+                        broker="kafka",
+                        source=topic,
+                        message_id=id_prefix + str(offset),
                         body=record.value,
-                        attributes=text_attributes(list(headers)),
-                        published_at=iso_timestamp(record.timestamp, unit="ms") if record.timestamp else None,
+                        attributes=text_attributes(headers) if headers else {},
+                        published_at=iso_from_epoch_ms(timestamp) if timestamp and timestamp > 0 else None,
                         delivery_attempt=attempt,
                         metadata={
-                            "topic": tp.topic,
-                            "partition": tp.partition,
+                            "topic": topic,
+                            "partition": partition,
                             "offset": offset,
-                            "key": text_value(record.key) if record.key is not None else None,
+                            "key": text_value(key) if key is not None else None,
                             "timestamp_type": "log_append" if record.timestamp_type == 1 else "create",
-                            "group_id": self.group_id,
+                            "group_id": group_id,
                         },
+                        max_payload_bytes=max_payload_bytes,
+                        oversize_policy=oversize_policy,
                     )
                     message = self.stream_message(envelope, forced)
-                    yield (
-                        message,
-                        KafkaDelivery(message, attempt, tp, offset, lane.epoch, record.key, record.value, headers),
-                    )
+                    yield message, KafkaDelivery(message, attempt, tp, offset, epoch, key, record.value, headers)
             self.counters.add("received", received)
 
     async def _credit_or_keepalive(self, consumer: AIOKafkaConsumer) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -10,7 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from airflow_shared_stream_provider import SharedStreamConfigError
-from airflow_shared_stream_provider._core.envelope import body_bytes_of, build_envelope, decode_body, text_attributes
+from airflow_shared_stream_provider._core.envelope import (
+    body_bytes_of,
+    build_envelope,
+    decode_body,
+    iso_from_epoch_ms,
+    iso_timestamp,
+    text_attributes,
+)
 from airflow_shared_stream_provider._core.filtering import MessageFilter
 
 
@@ -42,6 +50,23 @@ def test_any_bytes_give_a_json_safe_body_that_round_trips(raw: bytes) -> None:
         assert json.loads(body_bytes_of(envelope)) == body
     else:
         assert body_bytes_of(envelope) == raw
+
+
+@pytest.mark.parametrize("raw", [b"NaN", b"[Infinity]", b'"\\ud800"', b"1e400", b'{"a": 1} trailing'])
+def test_what_strict_json_refuses_is_delivered_as_text(raw: bytes) -> None:
+    # json.loads would take these, but NaN, infinities and lone surrogates cannot be stored in the
+    # metadata DB's JSON column: the body is the text instead.
+    body, encoding = decode_body(raw)
+    assert (body, encoding) == (raw.decode(), "text")
+    json.dumps(body, allow_nan=False).encode("utf-8")
+
+
+@given(st.integers(min_value=-(10**13), max_value=10**14))
+def test_epoch_milliseconds_render_like_datetime_isoformat(milliseconds: int) -> None:
+    # Exact oracle (datetime.fromtimestamp(ms / 1000) rounds through a float far from 1970).
+    expected = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=milliseconds)).isoformat()
+    assert iso_from_epoch_ms(milliseconds) == expected
+    assert iso_timestamp(milliseconds, unit="ms") == expected
 
 
 def test_headers_become_text_with_base64_for_binary_values() -> None:
