@@ -15,6 +15,12 @@ Registration is atomic with the manager's ``subscribe``: the runner calls ``subs
 starts ``filter_shared_stream`` with no ``await`` in between, and our filter registers before its
 first ``await``. So no watcher can receive a message the gate did not count.
 
+The window also shrinks with the number of watchers: every queued message costs the manager one
+binding per watcher, and those objects are what the cyclic GC walks over and over. The gate keeps
+``queued messages x watchers`` within :data:`BINDING_BUDGET` (never below :data:`MIN_WINDOW`
+messages, never above the configured window), so 100 watchers queue at most ~160 messages each
+instead of ~960. Shrinking only tightens the invariant above, so it holds through (un)registering.
+
 A second, independent bound caps messages in flight (yielded but not yet advanced), which bounds
 memory and the number of leases a producer keeps alive.
 
@@ -26,13 +32,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Hashable
+from typing import Final
+
+# Queued (not yet pulled) messages x watchers the gate allows; see the module docstring.
+BINDING_BUDGET: Final = 16_384
+MIN_WINDOW: Final = 64
+
+
+def scaled_window(configured: int, watchers: int) -> int:
+    """The per-watcher window for ``watchers`` watchers: within the binding budget, at most ``configured``."""
+    if watchers <= 1:
+        return configured
+    return min(configured, max(MIN_WINDOW, BINDING_BUDGET // watchers))
 
 
 class FlowGate:
     """Credit between one producer and the watchers of its shared stream."""
 
     def __init__(self) -> None:
-        self.window: int = 1024
+        self._configured_window = 1024
+        self._window = 1024
         self.max_in_flight: int = 10_000
         self._produced = 0
         self._advanced = 0
@@ -53,6 +72,16 @@ class FlowGate:
 
     # -- producer side -------------------------------------------------------------------------
     @property
+    def window(self) -> int:
+        """The per-watcher window now: the configured one, scaled down for many watchers."""
+        return self._window
+
+    @window.setter
+    def window(self, configured: int) -> None:
+        self._configured_window = configured
+        self._rescale()
+
+    @property
     def produced(self) -> int:
         return self._produced
 
@@ -71,9 +100,10 @@ class FlowGate:
 
     def credit(self) -> int:
         """How many messages may be yielded now without waiting (0 when blocked)."""
-        by_lag = self.window - (self._produced - self._floor)
+        window = self._window
+        by_lag = window - (self._produced - self._floor)
         if by_lag <= 0:
-            by_lag = self.window - (self._produced - self._recompute_floor())
+            by_lag = window - (self._produced - self._recompute_floor())
         by_flight = self.max_in_flight - self.in_flight
         return max(0, min(by_lag, by_flight))
 
@@ -86,7 +116,7 @@ class FlowGate:
             if self._wakeup is None:
                 self._wakeup = asyncio.Event()
             self._wakeup.clear()
-            self._resume_seq = self._produced - self.window // 2
+            self._resume_seq = self._produced - self._window // 2
             self._blocked = True
             try:
                 await self._wakeup.wait()
@@ -102,9 +132,11 @@ class FlowGate:
     def register(self, token: int) -> None:
         """A watcher joins: it will receive messages produced from now on."""
         self._consumed[token] = self._produced
+        self._rescale()
 
     def unregister(self, token: int) -> None:
         if self._consumed.pop(token, None) is not None:
+            self._rescale()
             self._wake()
 
     def consumed(self, token: int, seq: int) -> None:
@@ -114,6 +146,9 @@ class FlowGate:
             self._wake()
 
     # -- internals -----------------------------------------------------------------------------
+    def _rescale(self) -> None:
+        self._window = scaled_window(self._configured_window, len(self._consumed))
+
     def _recompute_floor(self) -> int:
         self._floor = min(self._consumed.values()) if self._consumed else self._produced
         return self._floor
