@@ -100,8 +100,19 @@ class RunnerSim:
     # -- persistence ----------------------------------------------------------------------------
     def persist(self) -> int:
         """Persist every queued event and confirm its seq (one supervisor sync round)."""
-        batch = [item for item in self.pending if item.trigger_id not in self.withhold]
-        self.pending = [item for item in self.pending if item.trigger_id in self.withhold]
+        return self.persist_matching(None)
+
+    def persist_matching(self, where: Callable[[int, TriggerEvent], bool] | None) -> int:
+        """
+        Like :meth:`persist`, for the queued events ``where(trigger_id, event)`` picks (all when
+        None); the others stay queued (a delayed DB write for those events only).
+        """
+
+        def chosen(item: _Pending) -> bool:
+            return item.trigger_id not in self.withhold and (where is None or where(item.trigger_id, item.event))
+
+        batch = [item for item in self.pending if chosen(item)]
+        self.pending = [item for item in self.pending if not chosen(item)]
         seqs = []
         for item in batch:
             self.persisted[item.trigger_id].append(item.event.payload)

@@ -1,11 +1,12 @@
 """
-Azure Service Bus producer for shared streams: one client and one peek-lock receiver per stream.
+Azure Service Bus producer for shared streams: one client per stream, and one peek-lock receiver
+(or, for a session-enabled entity, one receiver per accepted session).
 
 ``open_stream`` reads the Airflow connection, opens one ``ServiceBusClient`` (azure-servicebus
 aio) and one PEEK_LOCK receiver on the queue or topic subscription, and receives in batches
 (``receive_messages(max_message_count=...)`` with ``prefetch_count``), never more than the
-watchers' flow credit. Every message is settled on that same receiver, after the manager resolved
-it, according to the shared dispositions:
+watchers' flow credit. Every message is settled on the receiver that received it, after the
+manager resolved it, according to the shared dispositions:
 
 ==================  ===============================================================================
 outcome             what happens on Service Bus
@@ -48,8 +49,31 @@ lost locks to the producer.
 
 Lanes: a message's ``session_id`` when it has one (messages of a session are settled in order),
 else its sequence number (each message its own lane: a slow message never holds back another).
-Session-enabled entities (``requiresSession``) are **not supported yet**: opening the receiver
-fails the group with an error that says so.
+
+Sessions (``sessions=True``, required for a session-enabled entity, refused on another one with a
+:class:`SharedStreamConfigError` that says which way round): up to ``max_concurrent_sessions``
+receivers, each on the next available session (``NEXT_AVAILABLE_SESSION``), all under the one
+client; see :mod:`~airflow_shared_stream_provider.producers.servicebus_sessions`. What changes:
+
+* order: a session's messages are broadcast in sequence order, and a message is completed only
+  after every earlier message of its session (received under the same session lock) was completed
+  or dead-lettered. A failed or zero-subscriber message *holds* its session: it is abandoned, the
+  session receiver is closed (releasing the later messages without counting a delivery), and the
+  broker serves the session again from that message; later messages that watchers already saw
+  are broadcast again (at least once). Rejected / poison messages are dead-lettered and do not
+  hold the session.
+* locks: the session lock covers its messages; it is renewed (``session.renew_lock()``) while the
+  session is held, instead of per-message renewals (the SDK refuses those on sessions).
+* lock lost (``SessionLockLostError``, or the connection of that receiver failing): counted in
+  ``sessions_lost`` and ``leases_lost`` (its unsettled messages), logged; those messages are not
+  settled (reported redelivered): the broker redelivers them with ``delivery_count + 1``. The
+  group keeps running and accepts sessions again.
+* release: a session with nothing unsettled and no new message for ``session_idle_timeout`` is
+  released (its receiver closed) so that other sessions get a turn. When no session is available
+  the accept times out (``OperationTimeoutError``) and one slot at a time asks again after a
+  pause; other accept errors back off, and fail the group after a few in a row.
+* close: resolved outcomes are settled, then every session receiver is closed (which releases
+  the unsettled messages without counting a delivery, so they are not abandoned one by one).
 
 Prefetched messages whose lock already expired in the SDK's buffer (watchers were slow to give
 credit) are skipped, never broadcast (``stale_skipped``): the broker redelivers them.
@@ -68,7 +92,13 @@ from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
 from airflow_shared_stream_provider._core.dispositions import Disposition
-from airflow_shared_stream_provider._core.envelope import iso_timestamp, json_safe, text_attributes, text_value
+from airflow_shared_stream_provider._core.envelope import (
+    StreamMessage,
+    iso_timestamp,
+    json_safe,
+    text_attributes,
+    text_value,
+)
 from airflow_shared_stream_provider._core.errors import (
     BrokerHandleClosedError,
     SharedStreamConfigError,
@@ -76,19 +106,28 @@ from airflow_shared_stream_provider._core.errors import (
 )
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
+from airflow_shared_stream_provider.producers.servicebus_sessions import (
+    CreditPool,
+    ServiceBusCounters,
+    SessionPool,
+    SessionReceiver,
+    renew_margin,
+)
 from airflow_shared_stream_provider.triggers.servicebus import ServiceBusStreamSettings
 
 try:
-    from azure.servicebus import ServiceBusReceivedMessage, ServiceBusReceiveMode
+    from azure.servicebus import NEXT_AVAILABLE_SESSION, ServiceBusReceivedMessage, ServiceBusReceiveMode
     from azure.servicebus.aio import ServiceBusClient, ServiceBusReceiver
     from azure.servicebus.amqp import AmqpMessageBodyType
     from azure.servicebus.exceptions import (
         MessageAlreadySettled,
         MessageLockLostError,
         MessagingEntityNotFoundError,
+        OperationTimeoutError,
         ServiceBusAuthenticationError,
         ServiceBusAuthorizationError,
         ServiceBusError,
+        SessionCannotBeLockedError,
         SessionLockLostError,
     )
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -265,6 +304,8 @@ class ServiceBusDelivery(Delivery):
     raw: ServiceBusReceivedMessage
     lock_token: str
     lane: Hashable
+    session: SessionReceiver | None = None
+    """The session receiver it came from (``sessions=True``): it is settled there, nowhere else."""
 
 
 class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSettings, ServiceBusDelivery]):
@@ -274,12 +315,14 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
 
     def __init__(self, settings: ServiceBusStreamSettings, *, stream_key: Hashable) -> None:
         super().__init__(settings, stream_key=stream_key)
+        self.counters: ServiceBusCounters = ServiceBusCounters(self.broker, self.source_label())
         self.entity_path = settings.entity_path
         self.connection: ServiceBusConnectionInfo | None = None
         self._client: ServiceBusClient | None = None
         self._credential: Any = None
         self._receiver: ServiceBusReceiver | None = None
         self._keeper: LeaseKeeper[str] | None = None
+        self._sessions: SessionPool | None = None
         self._unsettled: dict[str, ServiceBusReceivedMessage] = {}
         self._requests: deque[_Request] = deque()
         self._request_ready = asyncio.Event()
@@ -314,39 +357,70 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         assert info.fully_qualified_namespace is not None
         return ServiceBusClient(info.fully_qualified_namespace, self._credential)
 
-    def _make_receiver(self, client: ServiceBusClient) -> ServiceBusReceiver:
+    def _make_receiver(self, client: ServiceBusClient, **options: Any) -> ServiceBusReceiver:
         settings = self.settings
         common: dict[str, Any] = {
             "receive_mode": ServiceBusReceiveMode.PEEK_LOCK,
             "prefetch_count": settings.prefetch_count,
             "max_wait_time": settings.max_wait_time,
+            **options,
         }
         if settings.queue_name is not None:
             return client.get_queue_receiver(settings.queue_name, **common)
         assert settings.topic_name is not None and settings.subscription_name is not None
         return client.get_subscription_receiver(settings.topic_name, settings.subscription_name, **common)
 
-    async def _open(self) -> ServiceBusReceiver:
+    def _make_session_receiver(self, client: ServiceBusClient) -> ServiceBusReceiver:
+        """A receiver for the next available session; its ``max_wait_time`` is how long the broker
+        waits for a session to have a message and be free (then: ``OperationTimeoutError``)."""
+        return self._make_receiver(client, session_id=NEXT_AVAILABLE_SESSION)
+
+    async def _connect(self) -> str:
+        """Read the connection and create the group's one client; returns where, for errors."""
         info = self.connection = await load_connection_info(self.settings.azure_service_bus_conn_id)
         where = f"Service Bus entity {self.entity_path!r} on {info.describe()}"
         self.log.info("Opening shared stream on %s", where)
         self._client = self._make_client(info)
+        return where
+
+    def _config_error(self, exc: ServiceBusError, where: str) -> SharedStreamConfigError | None:
+        """The configuration error ``exc`` means, if any (else it is the broker's trouble)."""
+        if isinstance(exc, MessagingEntityNotFoundError | ServiceBusAuthenticationError | ServiceBusAuthorizationError):
+            return SharedStreamConfigError(f"{where}: {type(exc).__name__}: {exc}")
+        if isinstance(exc, OperationTimeoutError | SessionCannotBeLockedError | SessionLockLostError):
+            return None  # session availability, not configuration
+        if "session" not in str(exc).lower():
+            return None
+        if self.settings.sessions:
+            return SharedStreamConfigError(
+                f"{where} is not session-enabled (requiresSession is false): drop sessions=True to read it: {exc}"
+            )
+        return SharedStreamConfigError(
+            f"{where} requires sessions (requiresSession is true): pass sessions=True to read it: {exc}"
+        )
+
+    async def _open(self) -> ServiceBusReceiver:
+        where = await self._connect()
+        assert self._client is not None
         receiver = self._receiver = self._make_receiver(self._client)
         try:
             await receiver.__aenter__()
-        except (MessagingEntityNotFoundError, ServiceBusAuthenticationError, ServiceBusAuthorizationError) as exc:
-            raise SharedStreamConfigError(f"{where}: {type(exc).__name__}: {exc}") from exc
         except ServiceBusError as exc:
-            if "session" in str(exc).lower():
-                raise SharedStreamConfigError(
-                    f"{where} requires sessions, which the shared stream does not support yet: {exc}"
-                ) from exc
+            error = self._config_error(exc, where)
+            if error is not None:
+                raise error from exc
             raise
         self.counters.add("api_calls")
         return receiver
 
     # -- stream --------------------------------------------------------------------------------
     async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
+        if self.settings.sessions:
+            pool = await self._open_sessions()
+            while True:
+                session, raw = await pool.next_message()
+                # No await from here to the yield: the credit next_message handed over is used now.
+                yield self._session_item(session, raw)
         receiver = await self._open()
         settings = self.settings
         counters = self.counters
@@ -405,6 +479,49 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
 
     def get_advance_lane(self, broker_payload: Any) -> Hashable:
         return broker_payload.lane  # type: ignore[no-any-return]
+
+    # -- sessions ------------------------------------------------------------------------------
+    async def _open_sessions(self) -> SessionPool:
+        """``sessions=True``: the client, and the slots that accept sessions (see servicebus_sessions)."""
+        where = await self._connect()
+        pool = self._sessions = SessionPool(
+            settings=self.settings,
+            counters=self.counters,
+            log=self.log,
+            entity_path=self.entity_path,
+            open_session=lambda: self._accept_session(where),
+            settle=self._settle,
+            credit=CreditPool(self.gate.credit, self.wait_for_credit),
+            busy_wait=self.busy_wait,
+            close_timeout=self.close_timeout,
+        )
+        pool.start()
+        return pool
+
+    def _session_item(
+        self, session: SessionReceiver, raw: ServiceBusReceivedMessage
+    ) -> tuple[StreamMessage, ServiceBusDelivery]:
+        """The broadcast item of a message received on a session: its lane is the session."""
+        fields = envelope_fields(raw, entity_path=self.entity_path)
+        envelope, forced = self.envelope(**fields)
+        msg = self.stream_message(envelope, forced)
+        lock_token = str(raw.lock_token)
+        return msg, ServiceBusDelivery(msg, fields["delivery_attempt"], raw, lock_token, session.session_id, session)
+
+    async def _accept_session(self, where: str) -> ServiceBusReceiver:
+        """Open a receiver on the next available session; closed again if that fails."""
+        assert self._client is not None
+        receiver = self._make_session_receiver(self._client)
+        try:
+            await receiver.__aenter__()
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(receiver.close(), timeout=self.close_timeout)
+            error = self._config_error(exc, where) if isinstance(exc, ServiceBusError) else None
+            if error is not None:
+                raise error from exc
+            raise
+        return receiver
 
     async def _wait_for_credit_or_requests(self) -> None:
         """Block until watchers give credit back, or a settlement / renewal is requested."""
@@ -475,7 +592,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
             keeper = self._keeper = LeaseKeeper(
                 renew=self._renew,
                 lease_seconds=lease,
-                renew_margin=_renew_margin(lease),
+                renew_margin=renew_margin(lease),
                 max_hold=self.ack_timeout + min(30.0, lease),
                 batch_size=100,
                 now=self._keeper_now,
@@ -485,7 +602,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         elif lock_seconds > keeper.lease_seconds:
             # A buffered first message under-estimated the lock duration; a fresh one corrects it.
             keeper.lease_seconds = lock_seconds
-            keeper.renew_margin = _renew_margin(lock_seconds)
+            keeper.renew_margin = renew_margin(lock_seconds)
         return keeper
 
     async def _renew(self, lock_tokens: Sequence[str], _lease_seconds: float) -> list[str]:
@@ -521,9 +638,12 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         return lost
 
     # -- advance -------------------------------------------------------------------------------
-    async def _apply(self, decided: Sequence[Decided[ServiceBusDelivery]]) -> None:
+    async def _apply(
+        self, decided: Sequence[Decided[ServiceBusDelivery]]
+    ) -> Sequence[Decided[ServiceBusDelivery]] | None:
         """
-        Queue the batch's settlements for the receiver's owner (the ``open_stream`` loop).
+        Queue the batch's settlements for the receiver's owner (the ``open_stream`` loop), or with
+        sessions, for the session receiver each message came from (:meth:`_apply_to_sessions`).
 
         The SDK's receiver is not coroutine-safe, and a settlement awaited while a receive call
         is in flight waits for that call's read cycle (measured: 5 settlements/s instead of
@@ -531,9 +651,27 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         before any further receive; an error other than a lost lock ends ``open_stream`` and so
         the group, like an ``advance`` that raises.
         """
+        if self._sessions is not None and not self._closing:
+            return self._apply_to_sessions(decided)
         if self._receiver is None or self._closing:
             raise BrokerHandleClosedError(f"{self.entity_path}: receiver closed; {len(decided)} message(s) not settled")
         self._submit(_Request("settle", entries=tuple(decided)))
+        return None
+
+    @staticmethod
+    def _apply_to_sessions(decided: Sequence[Decided[ServiceBusDelivery]]) -> list[Decided[ServiceBusDelivery]]:
+        """
+        Hand each outcome to the session receiver that received the message, in lane order.
+
+        A session that was given up (idle, held by an earlier failure, lock lost) settles nothing
+        any more: those messages are reported as redelivered, which is what the broker does.
+        """
+        applied = []
+        for entry in decided:
+            session = entry.delivery.session
+            assert session is not None, "a session stream delivery without its session receiver"
+            applied.append(session.take(entry))
+        return applied
 
     async def _settle_one(self, receiver: ServiceBusReceiver, entry: Decided[ServiceBusDelivery]) -> None:
         delivery = entry.delivery
@@ -595,6 +733,12 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         keeper, self._keeper = self._keeper, None
         if keeper is not None:
             await keeper.stop()
+        pool, self._sessions = self._sessions, None
+        if pool is not None:
+            try:
+                await pool.close()
+            except Exception:
+                self.log.warning("%s: error closing the session receivers", self.entity_path, exc_info=True)
         receiver, self._receiver = self._receiver, None
         client, self._client = self._client, None
         credential, self._credential = self._credential, None
@@ -632,8 +776,3 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                 await receiver.abandon_message(message)
             except (MessageLockLostError, SessionLockLostError, MessageAlreadySettled):
                 continue
-
-
-def _renew_margin(lease_seconds: float) -> float:
-    """Renew a third of the lock duration before expiry, at most 10 s before."""
-    return min(10.0, lease_seconds / 3.0)

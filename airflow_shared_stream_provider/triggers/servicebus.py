@@ -7,7 +7,10 @@ Imports no Azure SDK: Dag files import this module. The receiver lives in
 Features: a queue or a topic subscription; PEEK_LOCK with prefetch and batch receive; a message is
 completed only after every watcher's events are persisted; rejected and poison messages are
 dead-lettered with a reason and description; locks of messages still being worked on are renewed
-up to the triggerer's ack timeout.
+up to the triggerer's ack timeout. Session-enabled entities (``requiresSession``) with
+``sessions=True``: up to ``max_concurrent_sessions`` sessions are accepted at once ("next
+available session"), each read and settled in order on its own session receiver, and released
+after ``session_idle_timeout`` seconds without messages so other sessions get a turn.
 
 Connection (``azure_service_bus_conn_id``, the upstream ``azure_service_bus`` connection, read
 directly): a connection string in the connection's *schema* field (or the ``connection_string``
@@ -17,18 +20,21 @@ included; otherwise ``fully_qualified_namespace`` (extra) with ``DefaultAzureCre
 
 Options (all part of the shared-stream key) and their defaults:
 
-=========================  ========  ==========================================================
-option                     default   meaning
-=========================  ========  ==========================================================
-``prefetch_count``         100       messages the SDK buffers ahead of a receive call (locked)
-``max_message_count``      100       most messages one ``receive_messages`` call returns
-``max_wait_time``          5.0       seconds a receive call waits for the first message
-``renew_locks``            True      renew locks of messages still being worked on
-``max_payload_bytes``      65536     cap of the event payload stored in the metadata DB
-``oversize_policy``        dead_letter  ``dead_letter`` or ``truncate`` for larger messages
-``max_delivery_attempts``  5         poison cap on ``delivery_count + 1`` (None = broker's own)
-``max_in_flight``          10000     most messages received but not yet settled
-=========================  ========  ==========================================================
+===========================  ===========  ==========================================================
+option                       default      meaning
+===========================  ===========  ==========================================================
+``prefetch_count``           100          messages the SDK buffers ahead of a receive call (locked)
+``max_message_count``        100          most messages one ``receive_messages`` call returns
+``max_wait_time``            5.0          seconds a receive call waits for the first message
+``renew_locks``              True         renew locks of messages (or sessions) still being worked on
+``max_payload_bytes``        65536        cap of the event payload stored in the metadata DB
+``oversize_policy``          dead_letter  ``dead_letter`` or ``truncate`` for larger messages
+``max_delivery_attempts``    5            poison cap on ``delivery_count + 1`` (None = broker's own)
+``max_in_flight``            10000        most messages received but not yet settled
+``sessions``                 False        read a session-enabled entity (required for one)
+``max_concurrent_sessions``  8            sessions held at once (``sessions=True`` only)
+``session_idle_timeout``     2.0          seconds without messages before a session is released
+===========================  ===========  ==========================================================
 
 Example::
 
@@ -60,6 +66,10 @@ from airflow_shared_stream_provider._core.settings import StreamSettings
 from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
 
 DEFAULT_CONN_ID = "azure_service_bus_default"
+DEFAULT_MAX_CONCURRENT_SESSIONS = 8
+DEFAULT_SESSION_IDLE_TIMEOUT = 2.0
+MAX_CONCURRENT_SESSIONS_LIMIT = 100
+"""Each session is one AMQP connection (the SDK shares none between receivers): keep it bounded."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,6 +86,9 @@ class ServiceBusStreamSettings(StreamSettings):
     max_message_count: int = 100
     max_wait_time: float = 5.0
     renew_locks: bool = True
+    sessions: bool = False
+    max_concurrent_sessions: int = DEFAULT_MAX_CONCURRENT_SESSIONS
+    session_idle_timeout: float = DEFAULT_SESSION_IDLE_TIMEOUT
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,6 +123,30 @@ class ServiceBusStreamSettings(StreamSettings):
         self.require_number("max_wait_time", self.max_wait_time, minimum=0.05, maximum=300)
         if not isinstance(self.renew_locks, bool):
             raise SharedStreamConfigError(f"renew_locks must be True or False, got {self.renew_locks!r}")
+        self._validate_sessions()
+
+    def _validate_sessions(self) -> None:
+        if not isinstance(self.sessions, bool):
+            raise SharedStreamConfigError(f"sessions must be True or False, got {self.sessions!r}")
+        if isinstance(self.max_concurrent_sessions, bool) or not isinstance(self.max_concurrent_sessions, int):
+            raise SharedStreamConfigError(
+                f"max_concurrent_sessions must be an int, got {self.max_concurrent_sessions!r}"
+            )
+        self.require_number(
+            "max_concurrent_sessions", self.max_concurrent_sessions, minimum=1, maximum=MAX_CONCURRENT_SESSIONS_LIMIT
+        )
+        self.require_number("session_idle_timeout", self.session_idle_timeout, minimum=0.1, maximum=3600)
+        if not self.sessions:
+            # Session options without sessions=True are a mistake (and would split the stream key).
+            for name, default in (
+                ("max_concurrent_sessions", DEFAULT_MAX_CONCURRENT_SESSIONS),
+                ("session_idle_timeout", DEFAULT_SESSION_IDLE_TIMEOUT),
+            ):
+                if getattr(self, name) != default:
+                    raise SharedStreamConfigError(
+                        f"{name}={getattr(self, name)!r} only applies to session-enabled entities: "
+                        "set sessions=True as well"
+                    )
 
     @property
     def entity_path(self) -> str:
@@ -151,7 +188,15 @@ class ServiceBusSharedStreamTrigger(SharedStreamTrigger):
     :param max_message_count: most messages one receive call returns (default 100).
     :param max_wait_time: seconds one receive call waits for a first message (default 5.0).
     :param renew_locks: renew the locks of messages watchers still work on, up to the triggerer's
-        ack timeout (default True).
+        ack timeout (default True); with ``sessions=True``, the session locks held.
+    :param sessions: the entity is session-enabled (``requiresSession``): accept sessions ("next
+        available session") and read each on its own session receiver, in order (default False;
+        a session-enabled entity cannot be read without it). See "Sessions" in
+        ``docs/servicebus.md`` for the ordering guarantee.
+    :param max_concurrent_sessions: most sessions held at once (default 8; each is one AMQP
+        connection). ``prefetch_count`` applies per session.
+    :param session_idle_timeout: seconds a held session may go without a new message, everything
+        from it settled, before it is released so another session gets a turn (default 2.0).
     """
 
     settings_class = ServiceBusStreamSettings
@@ -176,6 +221,9 @@ class ServiceBusSharedStreamTrigger(SharedStreamTrigger):
         max_message_count: int = 100,
         max_wait_time: float = 5.0,
         renew_locks: bool = True,
+        sessions: bool = False,
+        max_concurrent_sessions: int = DEFAULT_MAX_CONCURRENT_SESSIONS,
+        session_idle_timeout: float = DEFAULT_SESSION_IDLE_TIMEOUT,
     ) -> None:
         settings = ServiceBusStreamSettings(
             queue_name=queue_name,
@@ -190,6 +238,9 @@ class ServiceBusSharedStreamTrigger(SharedStreamTrigger):
             max_message_count=max_message_count,
             max_wait_time=max_wait_time,
             renew_locks=renew_locks,
+            sessions=sessions,
+            max_concurrent_sessions=max_concurrent_sessions,
+            session_idle_timeout=session_idle_timeout,
         )
         super().__init__(
             settings=settings, match=match, filter_function=filter_function, on_filter_error=on_filter_error

@@ -5,6 +5,10 @@
 thread-safe: it runs the work on the broker loop and waits for the result, so tests may call it
 from their own event loop or thread.
 
+The lock timer expires message locks and, on session-enabled entities, session locks.
+``handle.history(path)`` is the entity's record of what happened to each message (complete,
+abandon, dead_letter, release, defer, expire), in order, for ordering assertions.
+
 Errors raised while serving a connection (bugs in the broker, protocol violations by the peer,
 undecodable messages) never stop the broker silently: they are recorded in ``handle.errors``
 (and logged); ``handle.raise_errors()`` / the pytest fixture turn them into a test failure.
@@ -37,9 +41,11 @@ from .connection import (
     accepted,
     address_path,
     rejected,
+    session_filter_key,
+    session_lock_lost_error,
     settle_outcome,
 )
-from .entities import DLQ_SUFFIX, Entity, Topic
+from .entities import DLQ_SUFFIX, Entity, HistoryEntry, Topic
 from .management import encode_response, handle_cbs, handle_management
 from .message import BATCH_FORMAT, StoredMessage, now_ms, parse_message, split_batch
 
@@ -145,6 +151,7 @@ class Broker:
         for item in (entity, entity.dead_letter_queue):
             item.on_available = self._schedule_dispatch
             item.on_lock = self._on_lock
+            item.on_session_lost = self._on_session_lost
             self.entities[item.path.lower()] = item
         return entity
 
@@ -345,6 +352,8 @@ class Broker:
                 link = consumers[(start + offset) % len(consumers)]
                 if not link.session.can_send(link):
                     continue
+                if link.session_id is not None and not entity.owns_session(link, link.session_id):
+                    continue  # its session lock ran out: the lock timer detaches it
                 message = entity.peek_available(link.session_id)
                 if message is None:
                     continue
@@ -368,19 +377,24 @@ class Broker:
 
     # -- sessions ----------------------------------------------------------------------------
     def start_session_receiver(self, link: OutgoingLink, attach: f.Attach) -> None:
+        """Attach a receiver on a session-enabled entity: lock its session, or refuse."""
         assert link.entity is not None and attach.source is not None
-        filters = attach.source.filters
-        key = next((k for k in filters if str(k) == SESSION_FILTER), None)
+        key = session_filter_key(attach)
         if key is None:
             link.session.refuse(
                 attach,
                 link,
-                f.amqp_error("amqp:not-allowed", "A session-enabled entity needs a sessionful receiver."),
+                f.amqp_error(
+                    "amqp:not-allowed",
+                    "It is not possible for an entity that requires sessions to create a non-sessionful "
+                    "message receiver.",
+                ),
             )
             return
-        requested = filters[key]
+        requested = attach.source.filters[key]
         if isinstance(requested, Described):
             requested = requested.value
+        # The SDK sends its wait for a session (max_wait_time) as the link's server timeout.
         timeout_ms = next((int(v) for k, v in attach.properties.items() if str(k) == "com.microsoft:timeout"), 60000)
         deadline = time.monotonic() + timeout_ms / 1000
         self._try_lock_session(link, attach, None if requested is None else str(requested), deadline)
@@ -399,6 +413,8 @@ class Broker:
             )
             return
         if session_id is None:
+            # Next available session: wait (polling) until one has a message and is free, or answer
+            # the service's timeout, which the SDK raises as OperationTimeoutError.
             if time.monotonic() >= deadline:
                 link.session.refuse(attach, link, f.amqp_error("com.microsoft:timeout", "No session available."))
             else:
@@ -417,6 +433,19 @@ class Broker:
             properties={Symbol("com.microsoft:locked-until-utc"): Long(ticks)},
         )
         link.session.complete_attach(link, attach)
+
+    def _on_session_lost(self, entity: Entity, owner: object, session_id: str) -> None:
+        """A session lock ran out: detach its former owner's link with ``session-lock-lost``.
+
+        Deferred to the next loop turn: expiry may be noticed in the middle of handling one of
+        that link's frames (a settlement), which must finish first."""
+        if isinstance(owner, OutgoingLink) and self.loop is not None:
+            self.loop.call_soon(self._detach_lost_session_link, owner, session_id)
+
+    @staticmethod
+    def _detach_lost_session_link(link: OutgoingLink, session_id: str) -> None:
+        if not link.detached and not link.session.ended:
+            link.session.close_link(link, session_lock_lost_error(session_id))
 
     # -- lock timers -------------------------------------------------------------------------
     def _on_lock(self, entity: Entity, message: StoredMessage) -> None:
@@ -442,6 +471,9 @@ class Broker:
                     entity = self.entities.get(path)
                     if entity is not None:
                         entity.expire_lock(sequence_number, token)
+                for entity in list(self.entities.values()):
+                    if entity.requires_session:
+                        entity.expire_sessions()
             except Exception as exc:
                 self.record_error(exc, "lock timer")
 
@@ -449,6 +481,13 @@ class Broker:
     def snapshot(self, path: str) -> list[MessageSnapshot]:
         entity = self.entity(path)
         return [_snapshot(entity.messages[n]) for n in sorted(entity.messages)]
+
+    def history(self, path: str) -> list[HistoryEntry]:
+        return list(self.entity(path).history)
+
+    def session_owned(self, path: str, session_id: str) -> bool:
+        state = self.entity(path).sessions.get(session_id)
+        return state is not None and state.owner is not None and state.locked_until_ms > now_ms()
 
     def counts(self, path: str) -> EntityCounts:
         entity = self.entity(path)
@@ -575,6 +614,15 @@ class BrokerHandle:
 
     def entity_stats(self, path: str) -> dict[str, int]:
         return self.call(lambda b: asdict(b.entity(path).stats))
+
+    def history(self, path: str) -> list[HistoryEntry]:
+        """What happened to the entity's messages, in order: complete / abandon / dead_letter /
+        release / defer / expire, each with the sequence number, session id and delivery count."""
+        return self.call(lambda b: b.history(path))
+
+    def session_locked(self, path: str, session_id: str) -> bool:
+        """Whether some receiver holds ``session_id``'s lock (and it has not run out)."""
+        return self.call(lambda b: b.session_owned(path, session_id))
 
     def operations(self) -> OperationStats:
         """AMQP frames by performative (total and per connection) and management calls."""

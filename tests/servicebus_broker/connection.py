@@ -7,6 +7,14 @@ drain and echo, multi-frame transfers in both directions (aborted transfers are 
 batches, settlement of broker deliveries (peek-lock two-step echo, pre-settled, release) and the
 ``$cbs`` / ``$management`` request-response links.
 
+Session receivers (on session-enabled entities only; refused elsewhere, as a plain receiver is
+refused on a session-enabled entity, with the service's texts): the ``com.microsoft:session-filter``
+source filter names a session or, when null, asks for the next available one, waiting up to the
+link's ``com.microsoft:timeout`` property before refusing with ``com.microsoft:timeout``; the attach
+reply carries the session id in the filter and ``com.microsoft:locked-until-utc``. A settlement
+after the session lock was lost is answered ``com.microsoft:session-lock-lost``; when the lock runs
+out the broker detaches the link with that error.
+
 Not implemented: link resumption, transactions, several messages per delivery on a receiver link.
 Transfers on ``$management`` request links may reuse a delivery-id (an SDK 7.15 quirk): incoming
 deliveries are tracked per link, not by delivery-id, so this is tolerated.
@@ -32,7 +40,7 @@ from .codec import (
     UShort,
     symbol_array,
 )
-from .entities import Entity, LockLostError, Topic
+from .entities import Entity, LockLostError, SessionLockLostError, Topic
 
 if TYPE_CHECKING:
     import uuid
@@ -48,7 +56,15 @@ DOTNET_EPOCH_TICKS = 621355968000000000
 
 DEAD_LETTER_CONDITION = "com.microsoft:dead-letter"
 LOCK_LOST_CONDITION = "com.microsoft:message-lock-lost"
+SESSION_LOCK_LOST_CONDITION = "com.microsoft:session-lock-lost"
 SESSION_FILTER = "com.microsoft:session-filter"
+
+
+def session_filter_key(attach: f.Attach) -> Any:
+    """The key of the session filter in the attach's source filters (a receiver asking for a session)."""
+    if attach.source is None:
+        return None
+    return next((k for k in attach.source.filters if str(k) == SESSION_FILTER), None)
 
 
 def address_path(address: str) -> str:
@@ -208,14 +224,22 @@ class Session:
             self._send_attach(attach, link, source=None, target=None)
             self._detach(link, closed=True, error=error)
             return
-        if (
-            isinstance(link, OutgoingLink)
-            and link.kind == "entity"
-            and link.entity is not None
-            and link.entity.requires_session
-        ):
-            self.broker.start_session_receiver(link, attach)
-            return
+        if isinstance(link, OutgoingLink) and link.kind == "entity" and link.entity is not None:
+            if link.entity.requires_session:
+                self.broker.start_session_receiver(link, attach)
+                return
+            if session_filter_key(attach) is not None:
+                self.refuse(
+                    attach,
+                    link,
+                    f.amqp_error(
+                        "amqp:not-allowed",
+                        "A sessionful message receiver cannot be created on an entity that does not require "
+                        "sessions. Ensure RequiresSession is set to true when creating a Queue or Subscription "
+                        "to enable sessionful behavior.",
+                    ),
+                )
+                return
         self._send_attach(
             attach,
             link,
@@ -263,6 +287,10 @@ class Session:
 
     def refuse(self, attach: f.Attach, link: Link, error: Described) -> None:
         self._send_attach(attach, link, source=None, target=None)
+        self._detach(link, closed=True, error=error)
+
+    def close_link(self, link: Link, error: Described) -> None:
+        """Detach (close) one of our links with an error, as the service does on a lost session lock."""
         self._detach(link, closed=True, error=error)
 
     def _detach(self, link: Link, *, closed: bool, error: Described | None = None) -> None:
@@ -394,7 +422,9 @@ class Session:
             return  # the peer settles its own transfers; we settled them when they arrived
         ids = sorted(d for d in self.unsettled if disposition.first <= d <= disposition.last)
         for delivery_id in ids:
-            delivery = self.unsettled.pop(delivery_id)
+            delivery = self.unsettled.pop(delivery_id, None)
+            if delivery is None:
+                continue  # its link was detached meanwhile (a lost session lock)
             echo = self.broker.settle(delivery.entity, delivery.lock_token, disposition.state)
             if not disposition.settled:
                 self.send(f.DISPOSITION, [False, UInt(delivery_id), None, True, echo])
@@ -582,6 +612,14 @@ def lock_lost_error() -> Described:
     )
 
 
+def session_lock_lost_error(session_id: str | None = None) -> Described:
+    which = f" of session {session_id}" if session_id else ""
+    return f.amqp_error(
+        SESSION_LOCK_LOST_CONDITION,
+        f"The session lock{which} has expired on the MessageSession. Accept a new MessageSession.",
+    )
+
+
 def settle_outcome(entity: Entity, token: uuid.UUID, state: Described | None) -> Described:
     """Apply a peer's outcome to a locked message; return the state to echo."""
     code = f.outcome_code(state)
@@ -617,3 +655,5 @@ def settle_outcome(entity: Entity, token: uuid.UUID, state: Described | None) ->
         return released()
     except LockLostError:
         return rejected(lock_lost_error())
+    except SessionLockLostError:
+        return rejected(session_lock_lost_error())

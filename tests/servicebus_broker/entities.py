@@ -13,8 +13,16 @@ Implemented semantics (mirroring Azure Service Bus):
   properties ``DeadLetterReason`` / ``DeadLetterErrorDescription`` and annotation
   ``x-opt-deadletter-source``; the DLQ keeps the original sequence number.
 * Defer: a deferred message is only reachable by sequence number (``receive_deferred``).
-* Sessions: on session-enabled entities a receiver locks one session at a time; messages of a
-  locked session go only to its owner (session state and session-lock renewal are supported).
+* Sessions: on session-enabled entities a receiver locks one session at a time (a given session
+  id, or the "next available": the session of the oldest available message that no receiver
+  holds); messages of a locked session go only to its owner, in sequence order. The session lock
+  is the umbrella of its messages' locks: they have no lock timer of their own, renewing the
+  session lock (``renew-session-lock``) keeps them locked, and settling one after the session
+  lock was lost answers ``com.microsoft:session-lock-lost``. When the session lock expires, its
+  locked messages become available again with ``delivery_count + 1`` and the owner's link is
+  detached with ``session-lock-lost``; when the owner closes its link in time, they become
+  available again without counting a delivery (Service Bus "impact of delivery count" table).
+  Session state and ``get`` / ``set`` of it are supported.
 * Topics copy every message to each subscription (no rules/filters: every subscription gets all).
 
 Not implemented: scheduled messages, TTL / expiry of messages, duplicate detection, auto-forward,
@@ -44,6 +52,16 @@ class SessionLockLostError(Exception):
     """The session lock is not held (maps to ``com.microsoft:session-lock-lost``)."""
 
 
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One thing that happened to a message of an entity (for ordering assertions in tests)."""
+
+    event: str  # complete | abandon | dead_letter | release | defer | expire
+    sequence_number: int
+    session_id: str | None
+    delivery_count: int  # after the event
+
+
 @dataclass
 class SessionState:
     """Broker-side state of one message session."""
@@ -66,6 +84,9 @@ class EntityStats:
     dead_lettered: int = 0
     lock_expired: int = 0
     lock_renewed: int = 0
+    sessions_locked: int = 0
+    session_locks_expired: int = 0
+    session_locks_renewed: int = 0
 
 
 @dataclass
@@ -83,8 +104,10 @@ class Entity:
     sessions: dict[str, SessionState] = field(default_factory=dict)
     stats: EntityStats = field(default_factory=EntityStats)
     next_sequence_number: int = 1
+    history: list[HistoryEntry] = field(default_factory=list)
     on_available: Callable[[Entity], None] | None = None
     on_lock: Callable[[Entity, StoredMessage], None] | None = None
+    on_session_lost: Callable[[Entity, object, str], None] | None = None
 
     @property
     def is_dead_letter_queue(self) -> bool:
@@ -132,17 +155,38 @@ class Entity:
         token = uuid.uuid4()
         message.state = "locked"
         message.lock_token = token
-        message.locked_until_ms = now_ms() + int(self.lock_duration * 1000)
         self.locks[token] = message.sequence_number
+        session = self._session_of(message)
+        if session is not None:
+            # The session lock is the umbrella of the message lock: no timer of its own.
+            message.locked_until_ms = session.locked_until_ms
+            return token
+        message.locked_until_ms = now_ms() + int(self.lock_duration * 1000)
         if self.on_lock is not None:
             self.on_lock(self, message)
         return token
 
+    def _session_of(self, message: StoredMessage) -> SessionState | None:
+        if not self.requires_session or message.session_id is None:
+            return None
+        return self.sessions.setdefault(message.session_id, SessionState())
+
     def locked_message(self, token: uuid.UUID) -> StoredMessage:
         sequence_number = self.locks.get(token)
         if sequence_number is None:
+            if self.requires_session:
+                # On a session entity a token goes stale only when its session lock was lost
+                # (expired, or the session was closed and its messages released).
+                raise SessionLockLostError(str(token))
             raise LockLostError(str(token))
         message = self.messages[sequence_number]
+        session = self._session_of(message)
+        if session is not None:
+            if session.owner is None or session.locked_until_ms <= now_ms():
+                assert message.session_id is not None
+                self.expire_session(message.session_id)
+                raise SessionLockLostError(message.session_id)
+            return message
         if message.locked_until_ms <= now_ms():
             self._expire(message)
             raise LockLostError(str(token))
@@ -159,32 +203,40 @@ class Entity:
         self._unlock(message)
         del self.messages[message.sequence_number]
         self.stats.completed += 1
+        self._record("complete", message)
 
     def abandon(self, token: uuid.UUID, *, count_delivery: bool = True) -> None:
         message = self.locked_message(token)
         self._unlock(message)
         self.stats.abandoned += 1
         self._failed_delivery(message, count_delivery)
+        self._record("abandon", message)
 
     def release(self, token: uuid.UUID) -> None:
         message = self.locked_message(token)
         self._unlock(message)
         self.stats.released += 1
         self._make_available(message)
+        self._record("release", message)
 
     def defer(self, token: uuid.UUID) -> None:
         message = self.locked_message(token)
         self._unlock(message)
         message.state = "deferred"
         self.stats.deferred += 1
+        self._record("defer", message)
 
     def dead_letter(self, token: uuid.UUID, reason: str | None, description: str | None) -> None:
         message = self.locked_message(token)
         self._unlock(message)
         self.move_to_dead_letter(message, reason, description)
+        self._record("dead_letter", message)
 
     def renew(self, token: uuid.UUID) -> int:
         message = self.locked_message(token)
+        if self._session_of(message) is not None:
+            assert message.session_id is not None
+            return self.renew_session(message.session_id)
         message.locked_until_ms = now_ms() + int(self.lock_duration * 1000)
         self.stats.lock_renewed += 1
         if self.on_lock is not None:
@@ -229,6 +281,10 @@ class Entity:
         self._unlock(message)
         self.stats.lock_expired += 1
         self._failed_delivery(message, True)
+        self._record("expire", message)
+
+    def _record(self, event: str, message: StoredMessage) -> None:
+        self.history.append(HistoryEntry(event, message.sequence_number, message.session_id, message.delivery_count))
 
     # -- deferred messages -----------------------------------------------------------------
     def receive_deferred(self, sequence_number: int, *, lock: bool) -> tuple[StoredMessage, uuid.UUID | None]:
@@ -241,26 +297,76 @@ class Entity:
 
     # -- sessions --------------------------------------------------------------------------
     def lock_session(self, owner: object, session_id: str | None) -> str | None:
-        """Lock ``session_id`` (or the first unlocked session with messages) for ``owner``."""
+        """
+        Lock ``session_id``, or the next available session, for ``owner``; None if it cannot be.
+
+        The next available session is the one of the oldest available message whose session no
+        receiver holds: a session is handed out only when it has a message to deliver.
+        """
         now = now_ms()
         candidates = [session_id] if session_id is not None else self._sessions_with_messages()
         for candidate in candidates:
-            if candidate is None:
-                continue
             state = self.sessions.setdefault(candidate, SessionState())
-            if state.owner is None or state.owner is owner or state.locked_until_ms <= now:
+            if state.owner is not None and state.owner is not owner and state.locked_until_ms <= now:
+                self.expire_session(candidate)  # the previous owner's lock ran out
+            if state.owner is None or state.owner is owner:
                 state.owner = owner
                 state.locked_until_ms = now + int(self.lock_duration * 1000)
+                self.stats.sessions_locked += 1
                 return candidate
         return None
 
-    def _sessions_with_messages(self) -> list[str | None]:
-        seen: list[str | None] = []
+    def _sessions_with_messages(self) -> list[str]:
+        seen: dict[str, None] = {}
         for sequence_number in self.available:
             session_id = self.messages[sequence_number].session_id
-            if session_id not in seen:
-                seen.append(session_id)
-        return seen
+            if session_id is not None:
+                seen.setdefault(session_id)
+        return list(seen)
+
+    def owns_session(self, owner: object, session_id: str) -> bool:
+        state = self.sessions.get(session_id)
+        return state is not None and state.owner is owner and state.locked_until_ms > now_ms()
+
+    def renew_session(self, session_id: str) -> int:
+        """Extend a held session lock (and so its messages' locks); returns the new expiry (ms)."""
+        state = self.sessions[session_id]
+        state.locked_until_ms = now_ms() + int(self.lock_duration * 1000)
+        for message in self._locked_in_session(session_id):
+            message.locked_until_ms = state.locked_until_ms
+        self.stats.session_locks_renewed += 1
+        return state.locked_until_ms
+
+    def _locked_in_session(self, session_id: str) -> list[StoredMessage]:
+        return [
+            message
+            for message in self.messages.values()
+            if message.state == "locked" and message.session_id == session_id
+        ]
+
+    def expire_session(self, session_id: str) -> None:
+        """
+        The session lock ran out: free the session, redeliver its locked messages with
+        ``delivery_count + 1`` (or dead-letter them at ``max_delivery_count``), and tell the
+        broker to detach the former owner's link.
+        """
+        state = self.sessions.get(session_id)
+        if state is None or state.owner is None:
+            return
+        owner, state.owner, state.locked_until_ms = state.owner, None, 0
+        self.stats.session_locks_expired += 1
+        for message in sorted(self._locked_in_session(session_id), key=lambda m: m.sequence_number):
+            self._expire(message)
+        if self.on_session_lost is not None:
+            self.on_session_lost(self, owner, session_id)
+        self._notify()
+
+    def expire_sessions(self) -> None:
+        """Expire every held session whose lock ran out (called by the broker's lock timer)."""
+        now = now_ms()
+        for session_id, state in list(self.sessions.items()):
+            if state.owner is not None and state.locked_until_ms <= now:
+                self.expire_session(session_id)
 
     def session_state(self, owner: object, session_id: str) -> SessionState:
         state = self.sessions.get(session_id)
@@ -269,11 +375,23 @@ class Entity:
         return state
 
     def unlock_session(self, owner: object, session_id: str) -> None:
+        """
+        The owner closed its link: its locked messages become available again without counting a
+        delivery (or, if the lock had already run out, as an expiry).
+        """
         state = self.sessions.get(session_id)
-        if state is not None and state.owner is owner:
-            state.owner = None
-            state.locked_until_ms = 0
-            self._notify()
+        if state is None or state.owner is not owner:
+            return
+        if state.locked_until_ms <= now_ms():
+            self.expire_session(session_id)
+            return
+        state.owner, state.locked_until_ms = None, 0
+        for message in sorted(self._locked_in_session(session_id), key=lambda m: m.sequence_number):
+            self._unlock(message)
+            self.stats.released += 1
+            self._make_available(message)
+            self._record("release", message)
+        self._notify()
 
     # -- inspection ------------------------------------------------------------------------
     def count(self, state: str) -> int:

@@ -10,7 +10,10 @@ Implemented ``$management`` operations (also on ``ENTITY/$DeadLetterQueue/$manag
 * ``com.microsoft:peek-message`` ``{from-sequence-number, message-count[, session-id]}``
   -> ``{messages: [{message}]}`` or 204
 * ``com.microsoft:receive-by-sequence-number`` (deferred messages)
-* ``com.microsoft:renew-session-lock``, ``get-session-state``, ``set-session-state``
+* ``com.microsoft:renew-session-lock`` (extends the session lock, and so its messages' locks),
+  ``get-session-state``, ``set-session-state`` (410 ``session-lock-lost`` when not held)
+* on a session-enabled entity a settlement or renewal of a message whose session lock is gone
+  answers 410 ``com.microsoft:session-lock-lost``
 
 Anything else answers 501 ``amqp:not-implemented`` (scheduling, rules, session listing ...).
 """
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .codec import Array, Described, Int, Symbol, Timestamp, ULong, encode_value
-from .entities import Entity, LockLostError
+from .entities import Entity, LockLostError, SessionLockLostError
 from .message import AMQP_VALUE, APP_PROPERTIES, PROPERTIES, StoredMessage, now_ms
 
 if TYPE_CHECKING:
@@ -103,6 +106,8 @@ def handle_management(entity: Entity, request: StoredMessage, connection: Connec
             "been removed from the queue.",
             LOCK_LOST,
         )
+    except SessionLockLostError:
+        return Response(GONE, "The session lock has expired or was lost.", SESSION_LOCK_LOST)
     except (KeyError, ValueError, TypeError) as exc:
         return Response(BAD_REQUEST, f"bad request: {exc!r}", "com.microsoft:argument-error")
 
@@ -195,12 +200,12 @@ Handler = Callable[[Entity, dict[str, Any], "Connection"], Response]
 def _session_op(kind: str) -> Handler:
     def run(entity: Entity, body: dict[str, Any], connection: Connection) -> Response:
         try:
-            _, state = _owned_session(entity, body, connection)
+            session_id, state = _owned_session(entity, body, connection)
         except _SessionLockLost:
             return Response(GONE, "The session lock has expired or was lost.", SESSION_LOCK_LOST)
         if kind == "renew":
-            state.locked_until_ms = now_ms() + int(entity.lock_duration * 1000)
-            return Response(OK, "OK", body={"expiration": Timestamp(state.locked_until_ms)})
+            locked_until_ms = entity.renew_session(session_id)
+            return Response(OK, "OK", body={"expiration": Timestamp(locked_until_ms)})
         if kind == "get":
             return Response(OK, "OK", body={"session-state": state.state})
         value = body.get("session-state")

@@ -7,12 +7,18 @@ import datetime
 import socket
 import struct
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from azure.servicebus import ServiceBusMessage, ServiceBusReceiveMode, ServiceBusSubQueue
+from azure.servicebus import NEXT_AVAILABLE_SESSION, ServiceBusMessage, ServiceBusReceiveMode, ServiceBusSubQueue
 from azure.servicebus.aio import ServiceBusClient
-from azure.servicebus.exceptions import MessageLockLostError, MessagingEntityNotFoundError
+from azure.servicebus.exceptions import (
+    MessageLockLostError,
+    MessagingEntityNotFoundError,
+    OperationTimeoutError,
+    ServiceBusError,
+    SessionLockLostError,
+)
 
 from .fixtures import servicebus_broker
 
@@ -27,8 +33,8 @@ pytestmark = [pytest.mark.servicebus, pytest.mark.timeout(60)]
 
 
 @asynccontextmanager
-async def sb_client(broker: BrokerHandle) -> AsyncIterator[ServiceBusClient]:
-    async with ServiceBusClient.from_connection_string(broker.connection_string) as client:
+async def sb_client(broker: BrokerHandle, **kwargs: Any) -> AsyncIterator[ServiceBusClient]:
+    async with ServiceBusClient.from_connection_string(broker.connection_string, **kwargs) as client:
         yield client
 
 
@@ -349,6 +355,172 @@ async def test_session_queue(servicebus_broker: BrokerHandle) -> None:
                     await receiver.complete_message(message)
     assert got == [b"s1-0", b"s1-1"]
     assert servicebus_broker.counts("sq").active == 0
+
+
+async def send_sessions(client: ServiceBusClient, queue: str, sessions: dict[str, int]) -> None:
+    """``{"A": 2}`` sends A-0, A-1 with session id A (sessions in the dict's order)."""
+    async with client.get_queue_sender(queue) as sender:
+        for session_id, count in sessions.items():
+            batch = [ServiceBusMessage(f"{session_id}-{i}", session_id=session_id) for i in range(count)]
+            await sender.send_messages(batch)
+
+
+@pytest.mark.asyncio
+async def test_next_available_session_hands_out_free_sessions_with_messages_oldest_first(
+    servicebus_broker: BrokerHandle,
+) -> None:
+    servicebus_broker.create_queue("sq", requires_session=True)
+    async with sb_client(servicebus_broker) as client:
+        await send_sessions(client, "sq", {"A": 2, "B": 1})
+        async with client.get_queue_receiver("sq", session_id="empty") as empty:
+            assert empty.session.session_id == "empty"  # a named session may be accepted with no message
+            first = client.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2)
+            second = client.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2)
+            async with first, second:
+                # the oldest message's session first, then the next one that is free; never "empty"
+                assert (first.session.session_id, second.session.session_id) == ("A", "B")
+                assert first.session.locked_until_utc is not None
+                assert first.session.locked_until_utc > datetime.datetime.now(datetime.UTC)
+                assert servicebus_broker.session_locked("sq", "A")
+                got = await first.receive_messages(max_message_count=5, max_wait_time=2)
+                assert [body_of(m) for m in got] == [b"A-0", b"A-1"]
+                assert all(m.session_id == "A" and m.locked_until_utc is None for m in got)  # the session's lock
+                for message in got:
+                    await first.complete_message(message)
+                (b_message,) = await second.receive_messages(max_message_count=5, max_wait_time=2)
+                await second.complete_message(b_message)
+    assert servicebus_broker.counts("sq").active == 0
+    assert [h.event for h in servicebus_broker.history("sq")] == ["complete"] * 3
+
+
+@pytest.mark.asyncio
+async def test_next_available_session_times_out_when_every_session_is_empty_or_held(
+    servicebus_broker: BrokerHandle,
+) -> None:
+    servicebus_broker.create_queue("sq", requires_session=True)
+    async with sb_client(servicebus_broker, retry_total=0) as client:
+        await send_sessions(client, "sq", {"A": 1})
+        async with client.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=1) as holder:
+            assert holder.session.session_id == "A"
+            with pytest.raises(OperationTimeoutError):  # A is held, nothing else has messages
+                async with client.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=0.3):
+                    pass
+            # a session that gets a message while a receiver waits is handed out at once
+            waiting = client.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=10)
+            opening = asyncio.ensure_future(waiting.__aenter__())
+            await asyncio.sleep(0.3)
+            assert not opening.done()
+            await send_sessions(client, "sq", {"C": 1})
+            await asyncio.wait_for(opening, timeout=5)
+            assert waiting.session.session_id == "C"
+            await waiting.close()
+
+
+@pytest.mark.asyncio
+async def test_session_lock_expiry_frees_the_session_and_redelivers_with_delivery_count_plus_one(
+    servicebus_broker: BrokerHandle,
+) -> None:
+    servicebus_broker.create_queue("sq", requires_session=True, lock_duration=1)
+    async with sb_client(servicebus_broker) as client:
+        await send_sessions(client, "sq", {"A": 2})
+        async with client.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2) as stale:
+            held = await stale.receive_messages(max_message_count=5, max_wait_time=2)
+            assert len(held) == 2
+            await servicebus_broker.async_wait_until(
+                lambda b: b.entity_stats("sq")["session_locks_expired"] == 1, timeout=5
+            )
+            assert not servicebus_broker.session_locked("sq", "A")
+            assert [m.delivery_count for m in servicebus_broker.messages("sq")] == [1, 1]
+            # the service detached the owner's link: the old receiver cannot go on
+            with pytest.raises(SessionLockLostError):
+                await stale.receive_messages(max_message_count=1, max_wait_time=1)
+            async with client.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2) as fresh:
+                again = await fresh.receive_messages(max_message_count=5, max_wait_time=2)
+                assert [(body_of(m), m.delivery_count) for m in again] == [(b"A-0", 1), (b"A-1", 1)]
+                for message in again:
+                    await fresh.complete_message(message)
+    assert [h.event for h in servicebus_broker.history("sq")] == ["expire", "expire", "complete", "complete"]
+
+
+@pytest.mark.asyncio
+async def test_settling_after_the_session_lock_was_lost_is_session_lock_lost_at_the_broker(
+    servicebus_broker: BrokerHandle,
+) -> None:
+    servicebus_broker.create_queue("sq", requires_session=True, lock_duration=1)
+    async with sb_client(servicebus_broker) as client:
+        await send_sessions(client, "sq", {"A": 1})
+        async with client.get_queue_receiver("sq", session_id="A", max_wait_time=2) as receiver:
+            (message,) = await receiver.receive_messages(max_message_count=1, max_wait_time=2)
+            # Pretend the client clock lags the broker's, so the SDK's own expiry check passes and
+            # the settlement reaches the broker, which must answer session-lock-lost itself.
+            receiver.session._locked_until_utc = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=1)
+            await servicebus_broker.async_wait_until(lambda b: not b.session_locked("sq", "A"), timeout=5)
+            with pytest.raises(SessionLockLostError):
+                await receiver.complete_message(message)
+    assert servicebus_broker.messages("sq")[0].delivery_count == 1
+    assert servicebus_broker.entity_stats("sq")["completed"] == 0
+
+
+@pytest.mark.asyncio
+async def test_renewing_the_session_lock_keeps_its_messages_locked(servicebus_broker: BrokerHandle) -> None:
+    servicebus_broker.create_queue("sq", requires_session=True, lock_duration=1)
+    async with sb_client(servicebus_broker) as client:
+        await send_sessions(client, "sq", {"A": 1})
+        async with client.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2) as receiver:
+            (message,) = await receiver.receive_messages(max_message_count=1, max_wait_time=2)
+            for _ in range(4):  # two lock durations
+                await asyncio.sleep(0.5)
+                await receiver.session.renew_lock()
+            assert servicebus_broker.counts("sq").locked == 1
+            assert servicebus_broker.entity_stats("sq")["session_locks_expired"] == 0
+            await receiver.complete_message(message)
+    stats = servicebus_broker.entity_stats("sq")
+    assert (stats["completed"], stats["session_locks_renewed"], stats["lock_expired"]) == (1, 4, 0)
+
+
+@pytest.mark.asyncio
+async def test_closing_a_session_receiver_releases_its_messages_without_counting(
+    servicebus_broker: BrokerHandle,
+) -> None:
+    servicebus_broker.create_queue("sq", requires_session=True)
+    async with sb_client(servicebus_broker) as client:
+        await send_sessions(client, "sq", {"A": 3})
+        async with client.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2) as receiver:
+            got = await receiver.receive_messages(max_message_count=3, max_wait_time=2)
+            assert len(got) == 3
+            await receiver.abandon_message(got[0])  # counts a delivery, and comes back first
+            assert servicebus_broker.counts("sq").locked >= 2
+        await servicebus_broker.async_wait_until(lambda b: b.counts("sq").locked == 0, timeout=5)
+        assert [m.delivery_count for m in servicebus_broker.messages("sq")] == [1, 0, 0]
+        async with client.get_queue_receiver("sq", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=2) as receiver:
+            again: list[bytes] = []
+            while len(again) < 3:
+                batch = await receiver.receive_messages(max_message_count=3, max_wait_time=2)
+                assert batch
+                for message in batch:
+                    again.append(body_of(message))
+                    await receiver.complete_message(message)
+    assert again == [b"A-0", b"A-1", b"A-2"]  # still in order
+    events = [(h.event, h.sequence_number) for h in servicebus_broker.history("sq")]
+    assert events[0] == ("abandon", 1)
+    assert sorted(e for e in events if e[0] == "release") == [("release", 2), ("release", 3)]
+    assert events[-3:] == [("complete", 1), ("complete", 2), ("complete", 3)]
+
+
+@pytest.mark.asyncio
+async def test_session_and_plain_receivers_are_refused_on_the_wrong_kind_of_entity(
+    servicebus_broker: BrokerHandle,
+) -> None:
+    servicebus_broker.create_queue("plain")
+    servicebus_broker.create_queue("sq", requires_session=True)
+    async with sb_client(servicebus_broker, retry_total=0) as client:
+        with pytest.raises(ServiceBusError, match="does not require sessions"):
+            async with client.get_queue_receiver("plain", session_id=NEXT_AVAILABLE_SESSION, max_wait_time=1):
+                pass
+        with pytest.raises(ServiceBusError, match="requires sessions"):
+            async with client.get_queue_receiver("sq") as receiver:
+                await receiver.receive_messages(max_wait_time=1)
+    servicebus_broker.clear_errors()
 
 
 def test_protocol_errors_are_recorded_not_swallowed(servicebus_broker: BrokerHandle) -> None:

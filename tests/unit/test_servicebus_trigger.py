@@ -55,6 +55,14 @@ ALTERNATIVES: dict[str, Any] = {
     "max_message_count": 10,
     "max_wait_time": 1.5,
     "renew_locks": False,
+    "sessions": True,
+    "max_concurrent_sessions": 3,
+    "session_idle_timeout": 0.5,
+}
+PREREQUISITES: dict[str, dict[str, Any]] = {
+    # Session options are refused without sessions=True: compare against a session stream.
+    "max_concurrent_sessions": {"sessions": True},
+    "session_idle_timeout": {"sessions": True},
 }
 
 
@@ -67,8 +75,10 @@ def test_key_covers_every_producer_setting() -> None:
         value = ALTERNATIVES[name]
         if value is None:
             continue
-        changed = ServiceBusSharedStreamTrigger(**{"queue_name": "orders", name: value})
-        assert changed.shared_stream_key() != base.shared_stream_key(), name
+        needs = PREREQUISITES.get(name, {})
+        reference = ServiceBusSharedStreamTrigger(queue_name="orders", **needs)
+        changed = ServiceBusSharedStreamTrigger(**{"queue_name": "orders", **needs, name: value})
+        assert changed.shared_stream_key() != reference.shared_stream_key(), name
         keys.add(changed.shared_stream_key())
     topic = ServiceBusSharedStreamTrigger(topic_name="orders", subscription_name="a")
     other_sub = ServiceBusSharedStreamTrigger(topic_name="orders", subscription_name="b")
@@ -98,6 +108,18 @@ def test_serialize_round_trips_with_the_real_class_path_and_no_secret() -> None:
     assert again.serialize() == (path, kwargs)
 
 
+def test_session_options_serialize_round_trip() -> None:
+    trigger = ServiceBusSharedStreamTrigger(
+        topic_name="orders", subscription_name="s", sessions=True, max_concurrent_sessions=4, session_idle_timeout=1.5
+    )
+    _, kwargs = trigger.serialize()
+    assert (kwargs["sessions"], kwargs["max_concurrent_sessions"], kwargs["session_idle_timeout"]) == (True, 4, 1.5)
+    again = ServiceBusSharedStreamTrigger(**kwargs)
+    assert again.shared_stream_key() == trigger.shared_stream_key()
+    plain = ServiceBusSharedStreamTrigger(topic_name="orders", subscription_name="s")
+    assert ServiceBusSharedStreamTrigger(**plain.serialize()[1]).settings.sessions is False  # defaults round-trip
+
+
 def test_a_subclass_serializes_under_its_own_path_and_shares_the_stream() -> None:
     class OnlyBig(ServiceBusSharedStreamTrigger):
         pass
@@ -123,6 +145,14 @@ def test_a_subclass_serializes_under_its_own_path_and_shares_the_stream() -> Non
         ({"queue_name": "q", "renew_locks": "yes"}, "renew_locks"),
         ({"queue_name": "q", "azure_service_bus_conn_id": ""}, "azure_service_bus_conn_id"),
         ({"queue_name": "q", "max_delivery_attempts": 0}, "max_delivery_attempts"),
+        ({"queue_name": "q", "sessions": "yes"}, "sessions must be True or False"),
+        ({"queue_name": "q", "sessions": True, "max_concurrent_sessions": 0}, "max_concurrent_sessions must be"),
+        ({"queue_name": "q", "sessions": True, "max_concurrent_sessions": 101}, "max_concurrent_sessions must be <="),
+        ({"queue_name": "q", "sessions": True, "max_concurrent_sessions": 2.5}, "max_concurrent_sessions must be an"),
+        ({"queue_name": "q", "sessions": True, "max_concurrent_sessions": True}, "max_concurrent_sessions must be an"),
+        ({"queue_name": "q", "sessions": True, "session_idle_timeout": 0}, "session_idle_timeout must be"),
+        ({"queue_name": "q", "max_concurrent_sessions": 3}, "max_concurrent_sessions=3 only applies to session"),
+        ({"queue_name": "q", "session_idle_timeout": 9.0}, "session_idle_timeout=9.0 only applies to session"),
     ],
 )
 def test_invalid_arguments_fail_at_parse_time(kwargs: dict[str, Any], message: str) -> None:

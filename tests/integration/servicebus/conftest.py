@@ -22,7 +22,7 @@ import contextlib
 import json
 import os
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -31,6 +31,7 @@ import pytest
 from azure.servicebus import ServiceBusMessage, ServiceBusReceivedMessage, ServiceBusReceiveMode, ServiceBusSubQueue
 from azure.servicebus.aio import ServiceBusClient
 
+from airflow_shared_stream_provider.producers.servicebus import ServiceBusSharedStreamProducer
 from airflow_shared_stream_provider.triggers.servicebus import ServiceBusSharedStreamTrigger
 from tests.servicebus_broker.fixtures import servicebus_broker
 
@@ -90,13 +91,21 @@ class ServiceBusEnv:
         *,
         lock_duration: float = DEFAULT_LOCK,
         max_delivery_count: int = DEFAULT_MAX_DELIVERY_COUNT,
+        requires_session: bool = False,
     ) -> str:
         """A fresh queue (local / real namespace) or the drained SERVICEBUS_QUEUE (emulator)."""
         name = f"{prefix}-{uuid.uuid4().hex[:8]}"
         if self.local:
-            self.handle.create_queue(name, lock_duration=lock_duration, max_delivery_count=max_delivery_count)
+            self.handle.create_queue(
+                name,
+                lock_duration=lock_duration,
+                max_delivery_count=max_delivery_count,
+                requires_session=requires_session,
+            )
             return name
         fixed = os.environ.get("SERVICEBUS_QUEUE")
+        if fixed and requires_session:
+            pytest.skip("SERVICEBUS_QUEUE is a pre-declared queue; this test needs a session-enabled one")
         if fixed:
             await self.drain(fixed)
             await self.drain(fixed, dead_letter=True)
@@ -105,7 +114,10 @@ class ServiceBusEnv:
 
         async with ServiceBusAdministrationClient.from_connection_string(self.connection_string) as admin:
             await admin.create_queue(
-                name, lock_duration=timedelta(seconds=lock_duration), max_delivery_count=max_delivery_count
+                name,
+                lock_duration=timedelta(seconds=lock_duration),
+                max_delivery_count=max_delivery_count,
+                requires_session=requires_session,
             )
         self._created.append(name)
         return name
@@ -200,6 +212,20 @@ def sb_conn(sb: ServiceBusEnv, monkeypatch: pytest.MonkeyPatch) -> str:
         json.dumps({"conn_type": "azure_service_bus", "schema": sb.connection_string}),
     )
     return conn_id
+
+
+@pytest.fixture
+def producers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[ServiceBusSharedStreamProducer]]:
+    """Every producer the manager builds in this test (to read its counters)."""
+    made: list[ServiceBusSharedStreamProducer] = []
+    original = ServiceBusSharedStreamProducer.__init__
+
+    def record(self: ServiceBusSharedStreamProducer, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(ServiceBusSharedStreamProducer, "__init__", record)
+    yield made
 
 
 class ServiceBusAdapter:

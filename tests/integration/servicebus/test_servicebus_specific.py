@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import operator
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -34,20 +34,6 @@ needs_lock_control = pytest.mark.skipif(
 
 def reject_everything(envelope: Mapping[str, Any]) -> bool:
     raise RejectMessage(f"order {envelope['body']['order_id']} refused by the test")
-
-
-@pytest.fixture
-def producers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[ServiceBusSharedStreamProducer]]:
-    """Every producer the manager builds in this test (to read its counters)."""
-    made: list[ServiceBusSharedStreamProducer] = []
-    original = ServiceBusSharedStreamProducer.__init__
-
-    def record(self: ServiceBusSharedStreamProducer, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(ServiceBusSharedStreamProducer, "__init__", record)
-    yield made
 
 
 def trigger(queue: str, conn_id: str, **kwargs: Any) -> ServiceBusSharedStreamTrigger:
