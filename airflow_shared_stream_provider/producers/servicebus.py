@@ -324,6 +324,9 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         self._keeper: LeaseKeeper[str] | None = None
         self._sessions: SessionPool | None = None
         self._unsettled: dict[str, ServiceBusReceivedMessage] = {}
+        # Locks a renewal found lost (already counted in leases_lost): the settlement of such a
+        # message fails the same way later and must not count it a second time.
+        self._lost_at_renewal: set[str] = set()
         self._requests: deque[_Request] = deque()
         self._request_ready = asyncio.Event()
         self._closing = False
@@ -635,6 +638,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                 continue
         self.counters.add("leases_renewed", renewed)
         self.counters.add("leases_lost", len(lost))
+        self._lost_at_renewal.update(lost)
         return lost
 
     # -- advance -------------------------------------------------------------------------------
@@ -680,7 +684,8 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         try:
             await self._settle(receiver, entry)
         except (MessageLockLostError, SessionLockLostError) as exc:
-            self.counters.add("leases_lost")
+            if delivery.lock_token not in self._lost_at_renewal:
+                self.counters.add("leases_lost")
             self.log.warning(
                 "%s: lock of message %s (sequence %s) lost before %s (%s); the broker redelivers it "
                 "with delivery_count + 1",
@@ -713,6 +718,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
 
     def _forget(self, lock_token: str) -> None:
         self._unsettled.pop(lock_token, None)
+        self._lost_at_renewal.discard(lock_token)
         if self._keeper is not None:
             self._keeper.release(lock_token)
 

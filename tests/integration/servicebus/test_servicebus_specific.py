@@ -217,6 +217,39 @@ async def test_lost_lock_is_counted_and_the_group_keeps_running(
     assert len(producers) == 1
 
 
+async def test_a_lock_lost_at_renewal_is_counted_once_and_the_redelivery_completes(
+    sb: ServiceBusEnv, sb_conn: str, producers: list[ServiceBusSharedStreamProducer]
+) -> None:
+    if not sb.local:
+        pytest.skip("expires a lock on demand: needs the test broker")
+    queue = await sb.create_queue(lock_duration=2)
+    await sb.publish(queue, [order(1)])
+    manager = SharedStreamManager(ack_timeout=60)
+    async with RunnerSim(manager) as runner:
+        runner.add(1, trigger(queue, sb_conn))
+        await wait_until(lambda: len(runner.pending) >= 1, timeout=30, what="the first delivery")
+        sb.handle.call(partial(_expire_every_lock, queue))
+        # The broker redelivers at once (delivery_count + 1); the renewal (a third of the lock
+        # duration before expiry) then finds the first lock lost ...
+        await wait_until(lambda: len(runner.pending) >= 2, timeout=30, what="the broker's redelivery")
+        await wait_until(lambda: producers[0].counters.leases_lost >= 1, timeout=30, what="renewal finds it lost")
+        # ... and completing the first delivery fails the same way: still one lost lock.
+        runner.persist()
+        await wait_until_async(lambda: _settled(sb, queue), timeout=30)
+        assert not runner.failures
+    assert [p["delivery_attempt"] for p in runner.persisted[1]] == [1, 2]
+    assert producers[0].counters.leases_lost == 1
+    assert stat(sb, queue, "lock_expired") == 1
+
+
+def _expire_every_lock(queue: str, broker: Any) -> None:
+    entity = broker.entity(queue)
+    for message in list(entity.messages.values()):
+        if message.state == "locked":
+            entity._expire(message)
+    broker.dispatch(entity)
+
+
 async def test_topic_subscription_stream(sb: ServiceBusEnv, sb_conn: str) -> None:
     if not sb.local:
         pytest.skip("creating a topic needs the test broker or administration rights (not in this suite)")
