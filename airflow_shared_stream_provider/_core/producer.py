@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
-from airflow_shared_stream_provider._core.dispositions import COMMIT, Decision, Disposition, decide
+from airflow_shared_stream_provider._core.dispositions import Decision, Disposition, decide
 from airflow_shared_stream_provider._core.envelope import BrokerName, StreamMessage, build_envelope
 from airflow_shared_stream_provider._core.flow import FlowGate, gates
 from airflow_shared_stream_provider._core.metrics import StreamCounters
@@ -165,17 +165,13 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         decided: list[Decided[DeliveryT]] = []
         for item in batch:
             delivery: DeliveryT = item.broker_payload
-            outcome = item.outcome
             message = delivery.message
-            if outcome.acked and not (outcome.failed or outcome.rejected or message.failures or message.rejections):
-                decision = COMMIT  # the common case, without the general mapping's work
-            else:
-                decision = decide(
-                    _with_recorded_failures(outcome, message),
-                    delivery_attempt=delivery.delivery_attempt,
-                    max_delivery_attempts=max_attempts,
-                    rejections=message.rejections,
-                )
+            decision = decide(
+                _with_recorded_failures(item.outcome, message),
+                delivery_attempt=delivery.delivery_attempt,
+                max_delivery_attempts=max_attempts,
+                rejections=message.rejections,
+            )
             decided.append(Decided(delivery, decision))
         try:
             applied = await self._apply(decided)
