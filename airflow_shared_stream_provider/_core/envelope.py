@@ -160,25 +160,30 @@ def iso_timestamp(value: datetime | float | int | None, *, unit: Literal["s", "m
 
 
 _second_cache: tuple[int, str] = (-1, "")
+_last_stamp: tuple[int, str] = (-1, "")
 
 
 def iso_from_epoch_ms(milliseconds: int) -> str:
     """
     ``iso_timestamp(milliseconds, unit="ms")`` without a datetime per call (Kafka and SQS stamp
-    every message in epoch milliseconds; consecutive messages share their second).
+    every message in epoch milliseconds; consecutive messages share their second, and messages
+    of one producer batch often their millisecond: both are cached).
 
     Exact integer arithmetic, same text as ``datetime.isoformat()``: no fraction when the
     milliseconds are zero, else six digits.
     """
-    global _second_cache
+    global _second_cache, _last_stamp
+    last_ms, last_text = _last_stamp
+    if milliseconds == last_ms:
+        return last_text
     seconds, millis = divmod(milliseconds, 1000)
     cached_second, prefix = _second_cache
     if seconds != cached_second:
         prefix = datetime.fromtimestamp(seconds, tz=UTC).isoformat()[: -len("+00:00")]
         _second_cache = (seconds, prefix)
-    if millis:
-        return f"{prefix}.{millis:03d}000+00:00"
-    return prefix + "+00:00"
+    text = f"{prefix}.{millis:03d}000+00:00" if millis else prefix + "+00:00"
+    _last_stamp = (milliseconds, text)
+    return text
 
 
 def json_safe(value: Any) -> Any:

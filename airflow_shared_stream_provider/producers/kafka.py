@@ -244,10 +244,9 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 epoch = lane.epoch
                 for record in records:
                     offset = record.offset
-                    first_read = lane.admit(offset)
-                    if first_read is None:
+                    attempt = lane.admit(offset)
+                    if not attempt:
                         continue  # in flight or done: a replay after seek-back, not a new message
-                    attempt = lane.attempt_of(offset)
                     received += 1
                     headers = tuple(record.headers)  # already a tuple: no copy
                     key = record.key

@@ -38,24 +38,29 @@ class Lane:
         """The delivery attempt a read of ``offset`` now is (1 on the first read)."""
         return self.attempts.get(offset, 0) + 1
 
-    def admit(self, offset: int) -> bool | None:
+    def admit(self, offset: int) -> int:
         """
-        Classify a fetched offset: True = new (first read), False = a held offset read again,
-        None = skip it (already in flight or done; a replay after a seek-back).
+        Classify a fetched offset; return the delivery attempt this read is, or 0 to skip it.
+
+        A new offset (first read; 1 unless a previous session stored attempts for it) or a held
+        offset read again is yielded; anything else is already in flight or done (a replay after
+        a seek-back) and is skipped. One call per record: this is the consumer's hot loop.
         """
         if offset > self.high_yielded:
             self.high_yielded = offset
             self.yielded.append(offset)
-            return True
+            attempts = self.attempts
+            return attempts.get(offset, 0) + 1 if attempts else 1
         if offset in self.redeliver:
             self.redeliver.discard(offset)
-            return False
-        return None
+            return self.attempts.get(offset, 0) + 1
+        return 0
 
     def settle(self, offset: int) -> None:
         """The offset is terminally handled (committed or dead-lettered)."""
         self.done.add(offset)
-        self.attempts.pop(offset, None)
+        if self.attempts:
+            self.attempts.pop(offset, None)
 
     def hold(self, offset: int, *, attempts: int) -> None:
         """The offset must be read again (failed or nobody subscribed); ``attempts`` so far."""

@@ -69,6 +69,16 @@ def test_epoch_milliseconds_render_like_datetime_isoformat(milliseconds: int) ->
     assert iso_timestamp(milliseconds, unit="ms") == expected
 
 
+@given(st.integers(min_value=0, max_value=10**13), st.lists(st.integers(min_value=-2500, max_value=2500), max_size=30))
+def test_epoch_millisecond_caches_never_mix_neighbouring_stamps(base: int, steps: list[int]) -> None:
+    # Runs of equal, same-second and neighbouring-second stamps, as one fetch of records carries:
+    # both caches (last millisecond, last second) must hand back exactly the oracle's text.
+    for step in steps:
+        milliseconds = base + step
+        expected = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=milliseconds)).isoformat()
+        assert iso_from_epoch_ms(milliseconds) == expected
+
+
 def test_headers_become_text_with_base64_for_binary_values() -> None:
     assert text_attributes([("type", b"order"), (b"bin", b"\xff")]) == {"type": "order", "bin": "base64:/w=="}
 

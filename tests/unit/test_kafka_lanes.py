@@ -20,7 +20,7 @@ offsets_strategy = st.lists(st.integers(min_value=0, max_value=10_000), min_size
 def test_commit_point_never_passes_an_unresolved_or_failed_offset(offsets: list[int], data: st.DataObject) -> None:
     lane = Lane(epoch=1)
     for offset in offsets:
-        assert lane.admit(offset) is True
+        assert lane.admit(offset) == 1
     unresolved = set(offsets)
     committed = None
     for _ in range(len(offsets) * 3):
@@ -35,8 +35,8 @@ def test_commit_point_never_passes_an_unresolved_or_failed_offset(offsets: list[
             # Re-read after a seek-back: only the held offset is re-admitted, the others skipped.
             for other in offsets:
                 if other >= offset:
-                    verdict = lane.admit(other)
-                    assert verdict is (False if other == offset else None)
+                    attempt = lane.admit(other)
+                    assert attempt == (2 if other == offset else 0)
         point = lane.commit_point()
         if point is not None:
             committed = point
@@ -65,7 +65,8 @@ def test_replay_skips_what_is_in_flight_and_redelivers_only_the_held_offset() ->
     lane.hold(1, attempts=1)
     assert lane.commit_point() == 1
     assert lane.replay_from() == 1
-    assert [lane.admit(o) for o in range(1, 6)] == [False, None, None, None, True]
+    # 1 comes back as its second attempt, 2-4 are in flight (skipped), 5 is new.
+    assert [lane.admit(o) for o in range(1, 6)] == [2, 0, 0, 0, 1]
 
 
 def test_attempt_counts_ride_in_the_commit_metadata_and_survive_a_restart() -> None:
@@ -82,3 +83,6 @@ def test_attempt_counts_ride_in_the_commit_metadata_and_survive_a_restart() -> N
     assert restarted.attempt_of(6) == 1
     restarted.restore_attempts("not json")  # metadata written by something else is ignored
     assert restarted.attempt_of(5) == 4
+    # The first read in the new session is the attempt after the stored ones.
+    assert restarted.admit(5) == 4
+    assert restarted.admit(6) == 1
