@@ -19,9 +19,10 @@ directory (never ``~/airflow``) and turns example Dags off.
 from __future__ import annotations
 
 import os
-import tempfile
 
-os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-home-bench-"))
+from devkit.scratch import throwaway_dir
+
+os.environ["AIRFLOW_HOME"] = os.environ.get("AIRFLOW_HOME") or throwaway_dir("airflow-home-bench-")
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 
 import asyncio

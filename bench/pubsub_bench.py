@@ -42,7 +42,9 @@ import uuid
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-home-bench-"))
+from devkit.scratch import throwaway_dir
+
+os.environ["AIRFLOW_HOME"] = os.environ.get("AIRFLOW_HOME") or throwaway_dir("airflow-home-bench-")
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 
 from airflow.triggers.base import TriggerEvent

@@ -36,8 +36,21 @@ class BrokerProcess:
     process: subprocess.Popen[bytes] | None
     log_path: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # Scratch files and directories of this process, removed by stop() (its log included: take
+    # log_tail() first when it is wanted for an error message).
+    scratch: list[Path] = field(default_factory=list)
 
     def stop(self) -> None:
+        try:
+            self._terminate()
+        finally:
+            for path in [*self.scratch, *([self.log_path] if self.log_path is not None else [])]:
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+
+    def _terminate(self) -> None:
         proc = self.process
         if proc is None or proc.poll() is not None:
             return
@@ -112,10 +125,13 @@ def start_kafka(*, timeout: float = 30.0) -> BrokerProcess:
     try:
         wait_for_port(port, timeout=timeout)
     except TimeoutError as exc:
+        tail = broker.log_tail()
         broker.stop()
-        raise BrokerStartError(f"Tansu did not start on port {port}: {exc}\n{broker.log_tail()}") from exc
+        raise BrokerStartError(f"Tansu did not start on port {port}: {exc}\n{tail}") from exc
     if proc.poll() is not None:
-        raise BrokerStartError(f"Tansu exited with {proc.returncode}\n{broker.log_tail()}")
+        tail = broker.log_tail()
+        broker.stop()
+        raise BrokerStartError(f"Tansu exited with {proc.returncode}\n{tail}")
     return broker
 
 
@@ -173,10 +189,11 @@ def start_pubsub_emulator(*, timeout: float = 90.0) -> BrokerProcess:
         [str(launcher), "--host=127.0.0.1", f"--port={port}", f"--data-dir={data_dir}"],
         log_path,
     )
-    broker = BrokerProcess("pubsub", f"127.0.0.1:{port}", proc, log_path)
+    broker = BrokerProcess("pubsub", f"127.0.0.1:{port}", proc, log_path, scratch=[Path(data_dir)])
     try:
         wait_for_port(port, timeout=timeout)
     except TimeoutError as exc:
+        tail = broker.log_tail()
         broker.stop()
-        raise BrokerStartError(f"Pub/Sub emulator did not start on port {port}: {exc}\n{broker.log_tail()}") from exc
+        raise BrokerStartError(f"Pub/Sub emulator did not start on port {port}: {exc}\n{tail}") from exc
     return broker

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
+
+from devkit.scratch import throwaway_dir
 
 # Before anything imports airflow: never touch ~/airflow, never load example Dags.
-os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-home-tests-"))
+os.environ["AIRFLOW_HOME"] = os.environ.get("AIRFLOW_HOME") or throwaway_dir("airflow-home-tests-")
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
 
