@@ -27,6 +27,7 @@ os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 
 import asyncio
 import dataclasses
+import gc
 import importlib.metadata
 import json
 import platform
@@ -94,19 +95,33 @@ def current_rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / (1024 * 1024)
 
 
+def gc_collections() -> list[int]:
+    """Cyclic-GC collections so far, per generation: their rate follows container allocations."""
+    return [generation["collections"] for generation in gc.get_stats()]
+
+
 @dataclass
 class Window:
     """Wall and CPU time of one measured window."""
 
     wall0: float = field(default_factory=time.perf_counter)
     cpu0: float = field(default_factory=cpu_seconds)
+    gc0: list[int] = field(default_factory=gc_collections)
     wall1: float | None = None
     cpu1: float | None = None
+    gc1: list[int] | None = None
 
     def stop(self) -> None:
         if self.wall1 is None:
             self.wall1 = time.perf_counter()
             self.cpu1 = cpu_seconds()
+            self.gc1 = gc_collections()
+
+    @property
+    def gc(self) -> list[int]:
+        """Cyclic-GC collections per generation (0, 1, 2) during the window."""
+        end = self.gc1 if self.gc1 is not None else gc_collections()
+        return [after - before for before, after in zip(self.gc0, end, strict=True)]
 
     @property
     def seconds(self) -> float:

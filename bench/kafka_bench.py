@@ -339,6 +339,8 @@ def _finish(
         "seconds": end - window.wall0,
         "msgs_s_from_subscribe": covered / (end - window.wall0),
         "cpu_window_s": end_cpu - window.cpu0,
+        # From subscribe to the end (the join included; it allocates little).
+        "gc_collections": window.gc,
         "covered": covered,
         "total": total,
         "events": runner.events,

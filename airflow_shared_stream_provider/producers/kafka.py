@@ -242,7 +242,12 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 partition = tp.partition
                 id_prefix = f"{topic}/{partition}/"
                 epoch = lane.epoch
-                for record in records:
+                # Popped, not iterated: each ConsumerRecord is released as soon as its message is
+                # built, instead of the whole batch living until its last message was yielded.
+                # Fewer objects outlive a young-generation GC pass, so fewer full passes.
+                records.reverse()
+                while records:
+                    record = records.pop()
                     offset = record.offset
                     attempt = lane.admit(offset)
                     if not attempt:
