@@ -895,7 +895,8 @@ def source_state() -> dict[str, Any]:
 
     def git(*argv: str) -> str:
         try:
-            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+            # rstrip only: porcelain lines start with a status column that may be a space.
+            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False).stdout.rstrip()
         except OSError:
             return ""
 
