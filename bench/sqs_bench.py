@@ -50,8 +50,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from devkit.scratch import throwaway_dir  # noqa: E402  (needs the sys.path entry above)
+
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
-os.environ.setdefault("AIRFLOW_HOME", "/tmp/airflow-home-sqs-bench")
+os.environ["AIRFLOW_HOME"] = os.environ.get("AIRFLOW_HOME") or throwaway_dir("airflow-home-sqs-bench-")
 
 CONN_ID = "aws_sqs_bench"
 REGION = "us-east-1"
