@@ -49,11 +49,11 @@ class Lane:
         if offset > self.high_yielded:
             self.high_yielded = offset
             self.yielded.append(offset)
-            attempts = self.attempts
-            return attempts.get(offset, 0) + 1 if attempts else 1
+            # Attempts are stored only for held offsets: almost always none, so no lookup.
+            return self.attempt_of(offset) if self.attempts else 1
         if offset in self.redeliver:
             self.redeliver.discard(offset)
-            return self.attempts.get(offset, 0) + 1
+            return self.attempt_of(offset)
         return 0
 
     def settle(self, offset: int) -> None:
