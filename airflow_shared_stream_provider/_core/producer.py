@@ -14,7 +14,7 @@ import abc
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
@@ -28,16 +28,32 @@ DEFAULT_QUEUE_SIZE = 1024
 DEFAULT_ACK_TIMEOUT = 300.0
 
 
+class DeliveryLike(Protocol):
+    """What ``advance`` needs of a broker payload: the broadcast message and its delivery attempt."""
+
+    @property
+    def message(self) -> StreamMessage: ...
+
+    @property
+    def delivery_attempt(self) -> int: ...
+
+
 @dataclass(slots=True)
 class Delivery:
-    """What ``advance`` needs of one message: every broker payload extends this."""
+    """
+    The usual broker payload: the message plus what the broker needs to settle it (subclassed).
+
+    A producer may instead yield one object as both event and payload (a :class:`StreamMessage`
+    subclass whose ``message`` is itself, as Kafka does): one object less per message in flight,
+    which the cyclic GC would otherwise walk on every pass until the message is advanced.
+    """
 
     message: StreamMessage
     delivery_attempt: int
 
 
 SettingsT = TypeVar("SettingsT", bound=StreamSettings)
-DeliveryT = TypeVar("DeliveryT", bound=Delivery)
+DeliveryT = TypeVar("DeliveryT", bound=DeliveryLike)
 
 
 class Decided(Generic[DeliveryT]):
@@ -156,8 +172,16 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         Wrap an envelope for broadcast. Call immediately before ``yield`` (no await in between):
         the seq taken here must reach the watchers' queues in the same step.
         """
+        return StreamMessage(envelope, self.take_seq(), forced_rejection)
+
+    def take_seq(self) -> int:
+        """
+        Count one more message in flight and return its flow-control sequence number; for
+        producers that build their own :class:`StreamMessage` subclass (same rule as
+        :meth:`stream_message`: call it immediately before the ``yield``).
+        """
         self._in_flight += 1
-        return StreamMessage(envelope, self.gate.next_seq(), forced_rejection)
+        return self.gate.next_seq()
 
     # -- SharedStreamProducer ------------------------------------------------------------------
     async def advance(self, batch: Sequence[AdvanceItem]) -> None:

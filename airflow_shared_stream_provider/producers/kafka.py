@@ -41,18 +41,23 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from airflow_shared_stream_provider._core.dispositions import Disposition
-from airflow_shared_stream_provider._core.envelope import build_envelope, iso_from_epoch_ms, text_attributes, text_value
+from airflow_shared_stream_provider._core.envelope import (
+    StreamMessage,
+    build_envelope,
+    iso_from_epoch_ms,
+    text_attributes,
+    text_value,
+)
 from airflow_shared_stream_provider._core.errors import (
     BrokerHandleClosedError,
     PartialAssignmentError,
     SharedStreamConfigError,
     missing_dependency,
 )
-from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
+from airflow_shared_stream_provider._core.producer import Decided, SharedStreamProducerBase
 from airflow_shared_stream_provider.producers.kafka_config import KafkaClientConfig, kafka_client_config
 from airflow_shared_stream_provider.producers.kafka_lanes import Lane
 from airflow_shared_stream_provider.triggers.kafka import KafkaStreamSettings
@@ -68,16 +73,44 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 _epochs = itertools.count(1)
 
 
-@dataclass(slots=True)
-class KafkaDelivery(Delivery):
-    """What ``advance`` needs of one record: its coordinates, and the bytes a DLQ write re-sends."""
+class KafkaMessage(StreamMessage):
+    """
+    One record as broadcast to the watchers *and* as the broker payload ``advance`` gets back: its
+    coordinates, and the bytes a DLQ write re-sends.
 
-    tp: TopicPartition
-    offset: int
-    epoch: int
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes], ...]
+    One object instead of a message plus a separate delivery: every message in flight survives
+    several young GC passes and is promoted, so each object per message is one more for every
+    full pass to walk (measured at N=10: full passes are half of the run time on this machine).
+    """
+
+    __slots__ = ("delivery_attempt", "epoch", "headers", "key", "offset", "tp", "value")
+
+    def __init__(
+        self,
+        envelope: dict[str, Any],
+        seq: int,
+        forced_rejection: str | None,
+        *,
+        delivery_attempt: int,
+        tp: TopicPartition,
+        offset: int,
+        epoch: int,
+        key: bytes | None,
+        value: bytes | None,
+        headers: tuple[tuple[str, bytes], ...],
+    ) -> None:
+        super().__init__(envelope, seq, forced_rejection)
+        self.delivery_attempt = delivery_attempt
+        self.tp = tp
+        self.offset = offset
+        self.epoch = epoch
+        self.key = key
+        self.value = value
+        self.headers = headers
+
+    @property
+    def message(self) -> StreamMessage:
+        return self
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -91,7 +124,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._producer._on_assigned(set(assigned))
 
 
-class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, KafkaDelivery]):
+class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, KafkaMessage]):
     """The broker side of :class:`~airflow_shared_stream_provider.triggers.kafka.KafkaSharedStreamTrigger`."""
 
     broker = "kafka"
@@ -275,8 +308,19 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                         max_payload_bytes=max_payload_bytes,
                         oversize_policy=oversize_policy,
                     )
-                    message = self.stream_message(envelope, forced)
-                    yield message, KafkaDelivery(message, attempt, tp, offset, epoch, key, record.value, headers)
+                    message = KafkaMessage(
+                        envelope,
+                        self.take_seq(),
+                        forced,
+                        delivery_attempt=attempt,
+                        tp=tp,
+                        offset=offset,
+                        epoch=epoch,
+                        key=key,
+                        value=record.value,
+                        headers=headers,
+                    )
+                    yield message, message
             self.counters.add("received", received)
 
     async def _credit_or_keepalive(self, consumer: AIOKafkaConsumer) -> int:
@@ -302,12 +346,12 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             self._paused = False
         return credit
 
-    def get_advance_lane(self, broker_payload: KafkaDelivery) -> Hashable:
+    def get_advance_lane(self, broker_payload: KafkaMessage) -> Hashable:
         tp: Hashable = broker_payload.tp
         return tp
 
     # -- advance -------------------------------------------------------------------------------
-    async def _apply(self, decided: Sequence[Decided[KafkaDelivery]]) -> None:
+    async def _apply(self, decided: Sequence[Decided[KafkaMessage]]) -> None:
         consumer = self._consumer
         if consumer is None:
             raise BrokerHandleClosedError(f"Kafka consumer for {self.source_label()} is closed; batch not advanced")
@@ -373,7 +417,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         if target is not None:
             consumer.seek(tp, target)
 
-    async def _dead_letter(self, entries: Sequence[Decided[KafkaDelivery]]) -> None:
+    async def _dead_letter(self, entries: Sequence[Decided[KafkaMessage]]) -> None:
         topic = self.settings.dlq_topic
         if topic is None:
             for entry in entries:
