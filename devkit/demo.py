@@ -10,7 +10,8 @@ by the PySpark pipeline, the consumer group's committed offsets and the DLQ coun
 summary and stops every process it started (``--keep`` leaves them running until Ctrl-C).
 
 Works without a TTY (plain progress lines instead of the live table). Options: ``--messages N``,
-``--rate R`` (messages per second), ``--broker kafka``, ``--keep``, ``--timeout S``.
+``--rate R`` (messages per second), ``--broker kafka|sqs`` (SQS: a moto server and
+``example_sqs_orders.py``; see :mod:`devkit.demo_streams`), ``--keep``, ``--timeout S``.
 
 The scenario helpers (:func:`sample_orders`, :func:`expected_watchers`, :class:`KafkaOrders`) are
 reused by ``tests/e2e``.
@@ -39,6 +40,8 @@ from devkit.airflow_env import AirflowEnv, AirflowEnvError
 
 if TYPE_CHECKING:
     from types import FrameType
+
+    from devkit.demo_streams import DemoStream, Settlement
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 EXAMPLE_DAGS: Final = REPO_ROOT / "example_dags"
@@ -414,25 +417,24 @@ class Snapshot:
     expected: dict[str, int]
     runs: dict[str, dict[str, int]]
     spark_rows: dict[str, int]
-    committed: dict[int, int]
-    end_offsets: dict[int, int]
+    settlement: Settlement
     dlq: int
     expected_dlq: int
 
 
-def render_table(snapshot: Snapshot) -> Any:
+def render_table(snapshot: Snapshot, stream: DemoStream[Any]) -> Any:
     from rich.table import Table
 
     table = Table(title=f"airflow-shared-stream demo  ({snapshot.elapsed:5.0f}s)", expand=False)
     table.add_column("what")
     table.add_column("value", justify="right")
     table.add_column("detail")
-    table.add_row("messages published", str(snapshot.published), f"topic {TOPIC} ({PARTITIONS} partitions)")
-    for name in WATCHERS:
+    table.add_row("messages published", str(snapshot.published), f"{stream.broker} {stream.source_label}")
+    for name in stream.watchers:
         table.add_row(
             f"asset events {name}", str(snapshot.events.get(name, 0)), f"expected {snapshot.expected.get(name, 0)}"
         )
-    for dag_id in CONSUMER_DAGS:
+    for dag_id in stream.consumer_dags:
         states = snapshot.runs.get(dag_id, {})
         table.add_row(
             f"runs {dag_id}", str(sum(states.values())), ", ".join(f"{k}={v}" for k, v in sorted(states.items()))
@@ -443,24 +445,23 @@ def render_table(snapshot: Snapshot) -> Any:
         f"revenue rows {snapshot.spark_rows.get('revenue_by_region_minute', 0)}, "
         f"batches {snapshot.spark_rows.get('batches', 0)}",
     )
-    committed = ", ".join(
-        f"p{p}={snapshot.committed.get(p, '-')}/{end}" for p, end in sorted(snapshot.end_offsets.items())
-    )
-    table.add_row("committed offsets", str(sum(snapshot.committed.values())), committed + f"  (group {GROUP_ID})")
-    table.add_row("dead-lettered", str(snapshot.dlq), f"topic {DLQ_TOPIC}, expected {snapshot.expected_dlq}")
+    settlement = snapshot.settlement
+    table.add_row("settled", f"{settlement.settled}/{settlement.total}", settlement.detail)
+    table.add_row("dead-lettered", str(snapshot.dlq), f"{stream.dlq_label}, expected {snapshot.expected_dlq}")
     return table
 
 
-def render_line(snapshot: Snapshot) -> str:
+def render_line(snapshot: Snapshot, stream: DemoStream[Any]) -> str:
+    prefix = f"{stream.broker}_orders_"
     events = " ".join(
-        f"{name.removeprefix('kafka_orders_')}={snapshot.events.get(name, 0)}/{snapshot.expected.get(name, 0)}"
-        for name in WATCHERS
+        f"{name.removeprefix(prefix)}={snapshot.events.get(name, 0)}/{snapshot.expected.get(name, 0)}"
+        for name in stream.watchers
     )
-    spark_states = snapshot.runs.get(SPARK_DAG, {})
+    spark_states = snapshot.runs.get(stream.spark_dag, {})
     return (
         f"[{snapshot.elapsed:5.0f}s] published={snapshot.published} events: {events} | "
         f"spark runs {dict(sorted(spark_states.items()))} rows={snapshot.spark_rows.get('order_lines', 0)} | "
-        f"committed={sum(snapshot.committed.values())}/{sum(snapshot.end_offsets.values())} "
+        f"settled={snapshot.settlement.settled}/{snapshot.settlement.total} "
         f"dlq={snapshot.dlq}/{snapshot.expected_dlq}"
     )
 
@@ -470,7 +471,7 @@ class _InterruptedError(Exception):
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from devkit.brokers import start_kafka
+    from devkit.demo_streams import STREAMS
 
     started = time.monotonic()
     interactive = sys.stdout.isatty() and not args.plain
@@ -482,24 +483,23 @@ def run_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     workdir = Path(tempfile.mkdtemp(prefix="shared-stream-demo-"))
     output_dir = workdir / "output"
-    kafka = None
+    stream = STREAMS[args.broker]()
+    watchers, consumer_dags, spark_dag = stream.watchers, stream.consumer_dags, stream.spark_dag
+    valid_watcher = stream.watcher_name("kafka_orders_valid")
     env: AirflowEnv | None = None
     publisher: threading.Thread | None = None
     stop_publishing = threading.Event()
     exit_code = 0
     try:
         say(f"work dir: {workdir}")
-        say("starting Kafka-compatible broker (Tansu) ...")
-        kafka = start_kafka()
-        orders = KafkaOrders(kafka.address)
-        orders.create_topics()
-        say(f"  broker {kafka.address}; topics {TOPIC} ({PARTITIONS} partitions) and {DLQ_TOPIC} created")
+        say(f"starting the local {args.broker} broker ...")
+        say(f"  {stream.start()}")
 
-        dags = build_dags_folder(workdir / "dags")
+        dags = build_dags_folder(workdir / "dags", files=stream.dag_files)
         env = AirflowEnv(
             dags,
-            connections={"kafka_default": kafka_connection(kafka.address), "spark_orders": SPARK_LOCAL_CONNECTION},
-            env={"ORDERS_OUTPUT_DIR": str(output_dir), "ORDERS_SPARK_CONN_ID": "spark_orders"},
+            connections={**stream.connections(), "spark_orders": SPARK_LOCAL_CONNECTION},
+            env={"ORDERS_OUTPUT_DIR": str(output_dir), "ORDERS_SPARK_CONN_ID": "spark_orders", **stream.dag_env()},
             triggerer={"shared_stream_cohort_grace_period": 2.0, "shared_stream_ack_timeout": 120.0},
             home=workdir / "airflow-home",
             startup_timeout=args.timeout,
@@ -507,22 +507,25 @@ def run_demo(args: argparse.Namespace) -> int:
         say("starting Airflow: db migrate, dag-processor, triggerer, scheduler, api-server ...")
         env.start()
         say(f"  Airflow UI / REST API: {env.login_hint()}")
-        env.wait_for_dags(CONSUMER_DAGS, timeout=args.timeout)
-        env.unpause(CONSUMER_DAGS)
-        env.wait_for_watchers(WATCHERS, timeout=args.timeout)
-        say(f"  {len(CONSUMER_DAGS)} Dags unpaused; {len(WATCHERS)} watchers share one consumer of {TOPIC!r}")
+        env.wait_for_dags(consumer_dags, timeout=args.timeout)
+        env.unpause(consumer_dags)
+        env.wait_for_watchers(watchers, timeout=args.timeout)
+        say(
+            f"  {len(consumer_dags)} Dags unpaused; {len(watchers)} watchers share one consumer of "
+            f"{stream.source_label}"
+        )
 
         messages = sample_orders(args.messages)
-        expected: dict[str, int] = dict.fromkeys(WATCHERS, 0)
+        expected: dict[str, int] = dict.fromkeys(watchers, 0)
         expected_dlq = 0
         for message in messages:
             fired, dead = expected_watchers(message)
             for name in fired:
-                expected[name] += 1
+                expected[stream.watcher_name(name)] += 1
             expected_dlq += int(dead)
         say(f"publishing {len(messages)} orders at {args.rate}/s ({expected_dlq} malformed) ...")
         publisher = threading.Thread(
-            target=orders.publish, args=(messages,), kwargs={"rate": args.rate, "stop": stop_publishing}, daemon=True
+            target=stream.publish, args=(messages,), kwargs={"rate": args.rate, "stop": stop_publishing}, daemon=True
         )
         publisher.start()
 
@@ -535,14 +538,13 @@ def run_demo(args: argparse.Namespace) -> int:
             assert env_ is not None
             return Snapshot(
                 elapsed=time.monotonic() - started,
-                published=len(orders.published),
-                events={name: count for name, count in env_.asset_event_counts().items() if name in WATCHERS},
+                published=stream.published,
+                events={name: count for name, count in env_.asset_event_counts().items() if name in watchers},
                 expected=expected,
-                runs={dag_id: env_.dag_run_states(dag_id) for dag_id in CONSUMER_DAGS},
-                spark_rows=spark_output_rows(output_dir / "kafka"),
-                committed=orders.committed(),
-                end_offsets=orders.end_offsets(),
-                dlq=len(orders.dlq_records(timeout=2.0)),
+                runs={dag_id: env_.dag_run_states(dag_id) for dag_id in consumer_dags},
+                spark_rows=spark_output_rows(output_dir / args.broker),
+                settlement=stream.settlement(),
+                dlq=stream.dead_lettered(),
                 expected_dlq=expected_dlq,
             )
 
@@ -550,12 +552,12 @@ def run_demo(args: argparse.Namespace) -> int:
             runs_idle = all(not st.get("running") and not st.get("queued") for st in s.runs.values())
             return (
                 s.published >= len(messages)
-                and all(s.events.get(n, 0) >= expected[n] for n in WATCHERS)
-                and s.committed == s.end_offsets
+                and all(s.events.get(n, 0) >= expected[n] for n in watchers)
+                and s.settlement.complete
                 and s.dlq >= expected_dlq
                 and flushed
                 and runs_idle
-                and s.spark_rows.get("order_lines", 0) >= expected["kafka_orders_valid"]
+                and s.spark_rows.get("order_lines", 0) >= expected[valid_watcher]
             )
 
         def step() -> Snapshot:
@@ -564,51 +566,52 @@ def run_demo(args: argparse.Namespace) -> int:
             assert env_ is not None
             env_.check_alive()
             s = take()
-            all_in = s.published >= len(messages) and all(s.events.get(n, 0) >= expected[n] for n in WATCHERS)
-            if not flushed and all_in and env_.dag_idle(SPARK_DAG):
+            all_in = s.published >= len(messages) and all(s.events.get(n, 0) >= expected[n] for n in watchers)
+            if not flushed and all_in and env_.dag_idle(spark_dag):
                 # Airflow consumes, per asset-triggered run, the events up to the moment the run was
                 # queued; events of a burst that arrive while a run is queued wait for the next
                 # event. One more order, sent while the pipeline is idle, flushes them into a run.
-                orders.publish([flush_order()])
+                stream.publish([flush_order()])
                 for name in expected_watchers(flush_order())[0]:
-                    expected[name] += 1
+                    expected[stream.watcher_name(name)] += 1
                 flushed = True
             return s
 
         if interactive:
             from rich.live import Live
 
-            with Live(render_table(take()), refresh_per_second=1, transient=False) as live:
+            with Live(render_table(take(), stream), refresh_per_second=1, transient=False) as live:
                 while True:
                     snapshot = step()
-                    live.update(render_table(snapshot))
+                    live.update(render_table(snapshot, stream))
                     if done(snapshot) or time.monotonic() > deadline:
                         break
                     time.sleep(args.interval)
         else:
             while True:
                 snapshot = step()
-                say(render_line(snapshot), flush=True)
+                say(render_line(snapshot, stream), flush=True)
                 if done(snapshot) or time.monotonic() > deadline:
                     break
                 time.sleep(args.interval)
 
         assert snapshot is not None
         ok = done(snapshot)
-        revenue = spark_revenue(output_dir / "kafka")
+        revenue = spark_revenue(output_dir / args.broker)
+        settlement = snapshot.settlement
         say("")
         say("summary")
-        say(f"  messages published : {snapshot.published} (incl. 1 flush order)")
-        for name in WATCHERS:
+        say(f"  messages published : {snapshot.published} (incl. 1 flush order) to {stream.source_label}")
+        for name in watchers:
             say(f"  asset events {name:<22}: {snapshot.events.get(name, 0)} (expected >= {expected[name]})")
-        for dag_id in CONSUMER_DAGS:
+        for dag_id in consumer_dags:
             say(f"  Dag runs {dag_id:<30}: {dict(sorted(snapshot.runs.get(dag_id, {}).items()))}")
         total_revenue = round(sum(r for _, r in revenue.values()), 2)
         say(
             f"  PySpark output     : {snapshot.spark_rows} {len(revenue)} region/minute groups, revenue={total_revenue}"
         )
-        say(f"  committed offsets  : {snapshot.committed} of {snapshot.end_offsets} (group {GROUP_ID})")
-        say(f"  dead-lettered      : {snapshot.dlq} (expected {expected_dlq}) in {DLQ_TOPIC}")
+        say(f"  settled            : {settlement.settled} of {settlement.total}: {settlement.detail}")
+        say(f"  dead-lettered      : {snapshot.dlq} (expected {expected_dlq}) in {stream.dlq_label}")
         say(f"  result             : {'OK' if ok else 'INCOMPLETE (timed out)'}")
         exit_code = 0 if ok else 1
         if args.keep:
@@ -628,8 +631,7 @@ def run_demo(args: argparse.Namespace) -> int:
             publisher.join(timeout=30)
         if env is not None:
             env.stop()
-        if kafka is not None:
-            kafka.stop()
+        stream.stop()
         if not args.keep_files:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
@@ -644,7 +646,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--messages", type=int, default=200, help="orders to publish (default 200)")
     parser.add_argument("--rate", type=float, default=20.0, help="messages per second (default 20)")
-    parser.add_argument("--broker", choices=["kafka"], default="kafka", help="only kafka for now")
+    parser.add_argument(
+        "--broker",
+        choices=["kafka", "sqs"],
+        default="kafka",
+        help="kafka (Tansu, default) or sqs (moto server): same scenario, that broker's example Dags",
+    )
     parser.add_argument("--keep", action="store_true", help="keep everything running after the summary (Ctrl-C stops)")
     parser.add_argument("--keep-files", action="store_true", help="keep the work dir (logs, DB, Parquet output)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each phase (default 600)")

@@ -16,25 +16,21 @@ import json
 import shutil
 import textwrap
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator
 
-import boto3
 import pytest
 
 from devkit.airflow_env import AirflowEnv
 from devkit.brokers import start_moto, stop_moto
 from devkit.demo import EXAMPLE_DAGS, OrderMessage, expected_watchers, sample_orders
+from devkit.demo_streams import SQS_REGION as REGION
+from devkit.demo_streams import SqsOrders
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sqs, pytest.mark.timeout(600)]
 
-REGION = "us-east-1"
 CONN_ID = "aws_sqs_e2e"
 WATCHERS = ("sqs_orders_eu", "sqs_orders_us_apac", "sqs_orders_big", "sqs_orders_valid")
 DAGS = tuple(f"{watcher}_consumer" for watcher in WATCHERS)
-DEAD_LETTER_REASON = "x-dead-letter-reason"
-DEAD_LETTER_MESSAGE_ID = "x-dead-letter-message-id"
 MESSAGES = 40
 
 DAG_FILE = textwrap.dedent(
@@ -96,70 +92,6 @@ DAG_FILE = textwrap.dedent(
         consumer_dag(_asset)
     '''
 )
-
-
-# -- SQS through an independent client -------------------------------------------------------------
-@dataclass
-class SqsOrders:
-    """The ``orders`` / ``orders-dlq`` queue pair on the moto server, read and written with boto3."""
-
-    endpoint: str
-    client: Any = field(init=False)
-    queue_url: str = field(init=False)
-    dlq_url: str = field(init=False)
-    published: dict[str, OrderMessage] = field(default_factory=dict, init=False)
-    dead: dict[str, str] = field(default_factory=dict, init=False)
-
-    def __post_init__(self) -> None:
-        self.client = boto3.client(
-            "sqs",
-            region_name=REGION,
-            endpoint_url=self.endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        )
-        self.queue_url = str(self.client.create_queue(QueueName="orders")["QueueUrl"])
-        self.dlq_url = str(self.client.create_queue(QueueName="orders-dlq")["QueueUrl"])
-
-    def publish(self, messages: Sequence[OrderMessage]) -> dict[str, OrderMessage]:
-        """Send in batches of 10; return ``MessageId -> message`` (the envelope's ``message_id``)."""
-        sent: dict[str, OrderMessage] = {}
-        for start in range(0, len(messages), 10):
-            chunk = messages[start : start + 10]
-            entries = [{"Id": str(i), "MessageBody": m.value.decode("utf-8")} for i, m in enumerate(chunk)]
-            response = self.client.send_message_batch(QueueUrl=self.queue_url, Entries=entries)
-            assert not response.get("Failed"), response["Failed"]
-            for ok in response["Successful"]:
-                sent[str(ok["MessageId"])] = chunk[int(ok["Id"])]
-        self.published.update(sent)
-        return sent
-
-    def backlog(self, queue_url: str) -> int:
-        """Visible + in-flight messages of a queue."""
-        attributes = self.client.get_queue_attributes(
-            QueueUrl=queue_url,
-            AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
-        )["Attributes"]
-        return int(attributes["ApproximateNumberOfMessages"]) + int(attributes["ApproximateNumberOfMessagesNotVisible"])
-
-    def dead_letters(self) -> dict[str, str]:
-        """``source MessageId -> x-dead-letter-reason``, accumulated over every read of the DLQ queue."""
-        while True:
-            response = self.client.receive_message(
-                QueueUrl=self.dlq_url,
-                MaxNumberOfMessages=10,
-                MessageAttributeNames=["All"],
-                VisibilityTimeout=600,
-                WaitTimeSeconds=0,
-            )
-            batch = response.get("Messages", [])
-            if not batch:
-                return dict(self.dead)
-            for message in batch:
-                attributes = message.get("MessageAttributes", {})
-                source = attributes.get(DEAD_LETTER_MESSAGE_ID, {}).get("StringValue")
-                reason = attributes.get(DEAD_LETTER_REASON, {}).get("StringValue", "")
-                self.dead[str(source)] = str(reason)
 
 
 # -- expectations and observations -------------------------------------------------------------------

@@ -1,0 +1,303 @@
+"""
+The brokers the demo (``python -m devkit.demo --broker kafka|sqs``) can run on, behind one shape.
+
+A :class:`DemoStream` starts its local broker, creates the source and dead-letter destinations,
+names the example Dag files, watchers and Dags of its broker, publishes the scenario's orders and
+reports progress as *settled* messages (Kafka: committed offsets; SQS: messages deleted from the
+queue) and dead-lettered ones. Everything is read back through an independent client, never
+through the provider.
+
+:class:`SqsOrders` is also the end-to-end test's view of the queue pair (``tests/e2e``).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+import time
+from collections.abc import Sequence, Sized
+from dataclasses import dataclass, field
+from typing import Any, Final, Generic, Protocol, TypeVar
+
+from devkit.brokers import BrokerProcess, start_kafka, start_moto, stop_moto
+from devkit.demo import (
+    DLQ_TOPIC,
+    GROUP_ID,
+    KAFKA_DAG_FILES,
+    PARTITIONS,
+    TOPIC,
+    WATCHERS,
+    KafkaOrders,
+    OrderMessage,
+    kafka_connection,
+)
+
+SQS_REGION: Final = "us-east-1"
+SQS_QUEUE: Final = "orders"
+SQS_DLQ: Final = "orders-dlq"
+SQS_CONN_ID: Final = "aws_default"
+DEAD_LETTER_REASON: Final = "x-dead-letter-reason"
+DEAD_LETTER_MESSAGE_ID: Final = "x-dead-letter-message-id"
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """How far the stream got: ``settled`` of ``total`` messages, with a one-line detail."""
+
+    settled: int
+    total: int
+    detail: str
+
+    @property
+    def complete(self) -> bool:
+        return self.settled >= self.total
+
+
+class _Orders(Protocol):
+    """What the demo needs of a broker's order client (:class:`KafkaOrders`, :class:`SqsOrders`)."""
+
+    @property
+    def published(self) -> Sized: ...
+
+    def publish(
+        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
+    ) -> Any: ...
+
+
+OrdersT = TypeVar("OrdersT", bound=_Orders)
+
+
+class DemoStream(abc.ABC, Generic[OrdersT]):
+    """One broker's side of the demo: the local broker, its example Dags and its progress."""
+
+    broker: str
+    dag_files: tuple[str, ...]
+    source_label: str
+    dlq_label: str
+
+    def __init__(self) -> None:
+        self._process: BrokerProcess | None = None
+        self._orders: OrdersT | None = None
+
+    @property
+    def orders(self) -> OrdersT:
+        if self._orders is None:
+            raise RuntimeError(f"the {self.broker} demo stream is not started")
+        return self._orders
+
+    def publish(
+        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
+    ) -> None:
+        """Publish in order, at most ``rate`` per second, until done or ``stop`` is set."""
+        self.orders.publish(messages, rate=rate, stop=stop)
+
+    @property
+    def published(self) -> int:
+        return len(self.orders.published)
+
+    @property
+    def watchers(self) -> tuple[str, ...]:
+        """The example watchers (asset name == watcher name), in display order."""
+        return tuple(name.replace("kafka_", f"{self.broker}_", 1) for name in WATCHERS)
+
+    @property
+    def consumer_dags(self) -> tuple[str, ...]:
+        *plain, _valid = self.watchers
+        return (*(f"{name}_consumer" for name in plain), self.spark_dag)
+
+    @property
+    def spark_dag(self) -> str:
+        return f"{self.broker}_orders_spark_pipeline"
+
+    def watcher_name(self, kafka_name: str) -> str:
+        """The scenario's expectations name the Kafka watchers; this broker's watcher of the same role."""
+        return kafka_name.replace("kafka_", f"{self.broker}_", 1)
+
+    @abc.abstractmethod
+    def start(self) -> str:
+        """Start the broker, create source and DLQ; return a line describing them."""
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def connections(self) -> dict[str, Any]:
+        """Airflow connections the example Dags need (besides Spark's)."""
+
+    @abc.abstractmethod
+    def dag_env(self) -> dict[str, str]:
+        """Environment the example Dag file reads."""
+
+    @abc.abstractmethod
+    def settlement(self) -> Settlement: ...
+
+    @abc.abstractmethod
+    def dead_lettered(self) -> int: ...
+
+
+class KafkaDemoStream(DemoStream[KafkaOrders]):
+    broker = "kafka"
+    dag_files = KAFKA_DAG_FILES
+    source_label = f"topic {TOPIC} ({PARTITIONS} partitions)"
+    dlq_label = f"topic {DLQ_TOPIC}"
+
+    def start(self) -> str:
+        self._process = start_kafka()
+        self._orders = KafkaOrders(self._process.address)
+        self._orders.create_topics()
+        return (
+            f"Kafka-compatible broker (Tansu) {self._process.address}; topics {TOPIC} ({PARTITIONS} partitions) "
+            f"and {DLQ_TOPIC} created"
+        )
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.stop()
+            self._process = None
+
+    def connections(self) -> dict[str, Any]:
+        return {"kafka_default": kafka_connection(self.orders.bootstrap)}
+
+    def dag_env(self) -> dict[str, str]:
+        return {}
+
+    def settlement(self) -> Settlement:
+        committed = self.orders.committed()
+        ends = self.orders.end_offsets()
+        detail = ", ".join(f"p{p}={committed.get(p, '-')}/{end}" for p, end in sorted(ends.items()))
+        settled = sum(min(committed.get(p, 0), end) for p, end in ends.items())
+        return Settlement(settled, sum(ends.values()), f"committed offsets {detail} (group {GROUP_ID})")
+
+    def dead_lettered(self) -> int:
+        return len(self.orders.dlq_records(timeout=2.0))
+
+
+@dataclass
+class SqsOrders:
+    """The ``orders`` / ``orders-dlq`` queue pair on an SQS endpoint, read and written with boto3."""
+
+    endpoint: str
+    client: Any = field(init=False)
+    queue_url: str = field(init=False)
+    dlq_url: str = field(init=False)
+    published: dict[str, OrderMessage] = field(default_factory=dict, init=False)
+    dead: dict[str, str] = field(default_factory=dict, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def __post_init__(self) -> None:
+        import boto3
+
+        self.client = boto3.client(
+            "sqs",
+            region_name=SQS_REGION,
+            endpoint_url=self.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+        self.queue_url = str(self.client.create_queue(QueueName=SQS_QUEUE)["QueueUrl"])
+        self.dlq_url = str(self.client.create_queue(QueueName=SQS_DLQ)["QueueUrl"])
+
+    def publish(
+        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
+    ) -> dict[str, OrderMessage]:
+        """
+        Send in order, in batches of up to 10 (one message at a time when ``rate`` paces them);
+        return ``MessageId -> message`` (the envelope's ``message_id``).
+        """
+        sent: dict[str, OrderMessage] = {}
+        size = 1 if rate else 10
+        started = time.monotonic()
+        for start in range(0, len(messages), size):
+            if stop is not None and stop.is_set():
+                break
+            if rate:
+                delay = started + start / rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            chunk = messages[start : start + size]
+            entries = [{"Id": str(i), "MessageBody": m.value.decode("utf-8")} for i, m in enumerate(chunk)]
+            response = self.client.send_message_batch(QueueUrl=self.queue_url, Entries=entries)
+            if response.get("Failed"):
+                raise RuntimeError(f"SQS refused messages: {response['Failed']}")
+            batch = {str(ok["MessageId"]): chunk[int(ok["Id"])] for ok in response["Successful"]}
+            sent.update(batch)
+            with self._lock:
+                self.published.update(batch)
+        return sent
+
+    def backlog(self, queue_url: str) -> int:
+        """Visible + in-flight messages of a queue."""
+        attributes = self.client.get_queue_attributes(
+            QueueUrl=queue_url,
+            AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+        )["Attributes"]
+        return int(attributes["ApproximateNumberOfMessages"]) + int(attributes["ApproximateNumberOfMessagesNotVisible"])
+
+    def dead_letters(self) -> dict[str, str]:
+        """``source MessageId -> x-dead-letter-reason``, accumulated over every read of the DLQ queue."""
+        while True:
+            response = self.client.receive_message(
+                QueueUrl=self.dlq_url,
+                MaxNumberOfMessages=10,
+                MessageAttributeNames=["All"],
+                VisibilityTimeout=600,
+                WaitTimeSeconds=0,
+            )
+            batch = response.get("Messages", [])
+            if not batch:
+                return dict(self.dead)
+            for message in batch:
+                attributes = message.get("MessageAttributes", {})
+                source = attributes.get(DEAD_LETTER_MESSAGE_ID, {}).get("StringValue")
+                reason = attributes.get(DEAD_LETTER_REASON, {}).get("StringValue", "")
+                self.dead[str(source)] = str(reason)
+
+
+class SqsDemoStream(DemoStream[SqsOrders]):
+    broker = "sqs"
+    dag_files = ("example_sqs_orders.py", "order_filters.py", "order_events.py", "orders_spark.py")
+    source_label = f"queue {SQS_QUEUE}"
+    dlq_label = f"queue {SQS_DLQ}"
+
+    def start(self) -> str:
+        # moto's HTTP server logs every request through werkzeug: noise in the progress display.
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        self._process = start_moto()
+        self._orders = SqsOrders(self._process.address)
+        return f"SQS endpoint (moto server) {self._process.address}; queues {SQS_QUEUE} and {SQS_DLQ} created"
+
+    def stop(self) -> None:
+        if self._process is not None:
+            stop_moto(self._process)
+            self._process = None
+
+    def connections(self) -> dict[str, Any]:
+        return {
+            SQS_CONN_ID: {
+                "conn_type": "aws",
+                "login": "testing",
+                "password": "testing",
+                "extra": {"endpoint_url": self.orders.endpoint, "region_name": SQS_REGION},
+            }
+        }
+
+    def dag_env(self) -> dict[str, str]:
+        return {
+            "ORDERS_SQS_QUEUE_URL": self.orders.queue_url,
+            "ORDERS_SQS_DLQ_URL": self.orders.dlq_url,
+            "ORDERS_AWS_CONN_ID": SQS_CONN_ID,
+        }
+
+    def settlement(self) -> Settlement:
+        # A message leaves the queue only when deleted (every watcher's events stored) or moved to
+        # the DLQ queue; what is still there is waiting, in flight or to be redelivered.
+        backlog = self.orders.backlog(self.orders.queue_url)
+        published = self.published
+        return Settlement(max(0, published - backlog), published, f"{backlog} still in queue {SQS_QUEUE}")
+
+    def dead_lettered(self) -> int:
+        return self.orders.backlog(self.orders.dlq_url)
+
+
+STREAMS: Final[dict[str, type[DemoStream[Any]]]] = {"kafka": KafkaDemoStream, "sqs": SqsDemoStream}
