@@ -10,8 +10,9 @@ by the PySpark pipeline, the consumer group's committed offsets and the DLQ coun
 summary and stops every process it started (``--keep`` leaves them running until Ctrl-C).
 
 Works without a TTY (plain progress lines instead of the live table). Options: ``--messages N``,
-``--rate R`` (messages per second), ``--broker kafka|sqs`` (SQS: a moto server and
-``example_sqs_orders.py``; see :mod:`devkit.demo_streams`), ``--keep``, ``--timeout S``.
+``--rate R`` (messages per second), ``--broker kafka|sqs|pubsub`` (a moto server or Google's
+Pub/Sub emulator and that broker's example Dags; see :mod:`devkit.demo_streams`), ``--keep``,
+``--timeout S``.
 
 The scenario helpers (:func:`sample_orders`, :func:`expected_watchers`, :class:`KafkaOrders`) are
 reused by ``tests/e2e``.
@@ -648,9 +649,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=20.0, help="messages per second (default 20)")
     parser.add_argument(
         "--broker",
-        choices=["kafka", "sqs"],
+        choices=["kafka", "sqs", "pubsub"],
         default="kafka",
-        help="kafka (Tansu, default) or sqs (moto server): same scenario, that broker's example Dags",
+        help="kafka (Tansu, default), sqs (moto server) or pubsub (Google's emulator): same scenario, "
+        "that broker's example Dags",
     )
     parser.add_argument("--keep", action="store_true", help="keep everything running after the summary (Ctrl-C stops)")
     parser.add_argument("--keep-files", action="store_true", help="keep the work dir (logs, DB, Parquet output)")

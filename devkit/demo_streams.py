@@ -1,11 +1,12 @@
 """
-The brokers the demo (``python -m devkit.demo --broker kafka|sqs``) can run on, behind one shape.
+The brokers the demo (``python -m devkit.demo --broker kafka|sqs|pubsub``) can run on, behind one
+shape.
 
 A :class:`DemoStream` starts its local broker, creates the source and dead-letter destinations,
 names the example Dag files, watchers and Dags of its broker, publishes the scenario's orders and
 reports progress as *settled* messages (Kafka: committed offsets; SQS: messages deleted from the
-queue) and dead-lettered ones. Everything is read back through an independent client, never
-through the provider.
+queue; Pub/Sub: messages acknowledged) and dead-lettered ones. Everything is read back through an
+independent client, never through the provider.
 
 :class:`SqsOrders` is also the end-to-end test's view of the queue pair (``tests/e2e``).
 """
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import abc
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, Protocol, TypeVar
 
-from devkit.brokers import BrokerProcess, start_kafka, start_moto, stop_moto
+from devkit.brokers import BrokerProcess, start_kafka, start_moto, start_pubsub_emulator, stop_moto
 from devkit.demo import (
     DLQ_TOPIC,
     GROUP_ID,
@@ -33,6 +35,8 @@ from devkit.demo import (
     kafka_connection,
 )
 
+PUBSUB_PROJECT: Final = "shared-stream-demo"
+PUBSUB_CONN_ID: Final = "google_cloud_default"
 SQS_REGION: Final = "us-east-1"
 SQS_QUEUE: Final = "orders"
 SQS_DLQ: Final = "orders-dlq"
@@ -300,4 +304,153 @@ class SqsDemoStream(DemoStream[SqsOrders]):
         return self.orders.backlog(self.orders.dlq_url)
 
 
-STREAMS: Final[dict[str, type[DemoStream[Any]]]] = {"kafka": KafkaDemoStream, "sqs": SqsDemoStream}
+class PubSubOrders:
+    """
+    The ``orders`` topic, its watched subscription and the dead-letter topic on a Pub/Sub endpoint
+    (the emulator: ``PUBSUB_EMULATOR_HOST`` must be set before this is built).
+
+    How :meth:`unacked` counts without touching the watched subscription: a *probe* subscription
+    on the same topic, created before anything is published, is sought to a snapshot of the
+    watched one (a snapshot holds exactly its unacknowledged messages, leased ones included) and
+    pulled dry. The watched subscription is never pulled, so counting neither steals messages from
+    the triggerer nor bumps their delivery attempts.
+    """
+
+    def __init__(self, project: str = PUBSUB_PROJECT) -> None:
+        from google.pubsub_v1 import PublisherClient, SubscriberClient
+
+        self.publisher = PublisherClient()
+        self.subscriber = SubscriberClient()
+        self.topic = f"projects/{project}/topics/orders"
+        self.subscription = f"projects/{project}/subscriptions/orders-airflow"
+        self.probe = f"projects/{project}/subscriptions/orders-probe"
+        self.dlq_topic = f"projects/{project}/topics/orders-dlq"
+        self.dlq_subscription = f"projects/{project}/subscriptions/orders-dlq-reader"
+        self._snapshot_base = f"projects/{project}/snapshots/orders"
+        self._snapshots = 0
+        self.published: list[str] = []
+        self.dead: dict[str, str] = {}
+        self._lock = threading.Lock()
+        for topic in (self.topic, self.dlq_topic):
+            self.publisher.create_topic(request={"name": topic})
+        for name, topic, deadline in (
+            (self.subscription, self.topic, 30),
+            (self.probe, self.topic, 600),
+            (self.dlq_subscription, self.dlq_topic, 600),
+        ):
+            self.subscriber.create_subscription(
+                request={"name": name, "topic": topic, "ack_deadline_seconds": deadline}
+            )
+
+    def publish(
+        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
+    ) -> list[str]:
+        """Publish in order (one request per message when ``rate`` paces them); return the message ids."""
+        ids: list[str] = []
+        size = 1 if rate else 500
+        started = time.monotonic()
+        for start in range(0, len(messages), size):
+            if stop is not None and stop.is_set():
+                break
+            if rate:
+                delay = started + start / rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            chunk = [{"data": m.value} for m in messages[start : start + size]]
+            response = self.publisher.publish(request={"topic": self.topic, "messages": chunk}, timeout=30)
+            ids.extend(response.message_ids)
+            with self._lock:
+                self.published.extend(response.message_ids)
+        return ids
+
+    def _pull_all(self, subscription: str) -> list[Any]:
+        from google.api_core import exceptions as gexc
+
+        received: list[Any] = []
+        while True:
+            try:
+                response = self.subscriber.pull(
+                    request={"subscription": subscription, "max_messages": 1000}, timeout=0.5
+                )
+            except gexc.DeadlineExceeded:
+                return received
+            if not response.received_messages:
+                return received
+            received.extend(response.received_messages)
+
+    def unacked(self) -> int:
+        """Unacknowledged messages of the watched subscription (see the class doc)."""
+        self._snapshots += 1
+        snapshot = f"{self._snapshot_base}-{self._snapshots}"
+        self.subscriber.create_snapshot(request={"name": snapshot, "subscription": self.subscription})
+        try:
+            self.subscriber.seek(request={"subscription": self.probe, "snapshot": snapshot})
+        finally:
+            self.subscriber.delete_snapshot(request={"snapshot": snapshot})
+        # The probe's messages stay unacked (its deadline is long): the next seek resets it anyway.
+        return len({r.message.message_id for r in self._pull_all(self.probe)})
+
+    def dead_letters(self) -> dict[str, str]:
+        """``source message id -> x-dead-letter-reason``, accumulated over every read of the DLQ."""
+        received = self._pull_all(self.dlq_subscription)
+        for r in received:
+            attributes = dict(r.message.attributes)
+            self.dead[attributes.get(DEAD_LETTER_MESSAGE_ID, r.message.message_id)] = attributes.get(
+                DEAD_LETTER_REASON, ""
+            )
+        if received:
+            self.subscriber.acknowledge(
+                request={"subscription": self.dlq_subscription, "ack_ids": [r.ack_id for r in received]}
+            )
+        return dict(self.dead)
+
+
+class PubSubDemoStream(DemoStream[PubSubOrders]):
+    broker = "pubsub"
+    dag_files = ("example_pubsub_orders.py", "order_filters.py", "order_events.py", "orders_spark.py")
+    source_label = "subscription orders-airflow of topic orders"
+    dlq_label = "topic orders-dlq"
+
+    def start(self) -> str:
+        self._process = start_pubsub_emulator()
+        # Google's clients (ours here, the provider's in the triggerer) find the emulator by this.
+        os.environ["PUBSUB_EMULATOR_HOST"] = self._process.address
+        self._orders = PubSubOrders()
+        return (
+            f"Pub/Sub emulator {self._process.address}; topic orders, subscription orders-airflow and "
+            "dead-letter topic orders-dlq created"
+        )
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.stop()
+            self._process = None
+
+    def connections(self) -> dict[str, Any]:
+        return {PUBSUB_CONN_ID: {"conn_type": "google_cloud_platform", "extra": {"project": PUBSUB_PROJECT}}}
+
+    def dag_env(self) -> dict[str, str]:
+        assert self._process is not None
+        return {
+            "PUBSUB_EMULATOR_HOST": self._process.address,
+            "ORDERS_PUBSUB_SUBSCRIPTION": self.orders.subscription,
+            "ORDERS_PUBSUB_DLQ_TOPIC": self.orders.dlq_topic,
+            "ORDERS_GCP_CONN_ID": PUBSUB_CONN_ID,
+        }
+
+    def settlement(self) -> Settlement:
+        # A message stops being unacked only when acked (every watcher's events stored, or
+        # published to the dead-letter topic first).
+        unacked = self.orders.unacked()
+        published = self.published
+        return Settlement(max(0, published - unacked), published, f"{unacked} unacked in orders-airflow")
+
+    def dead_lettered(self) -> int:
+        return len(self.orders.dead_letters())
+
+
+STREAMS: Final[dict[str, type[DemoStream[Any]]]] = {
+    "kafka": KafkaDemoStream,
+    "sqs": SqsDemoStream,
+    "pubsub": PubSubDemoStream,
+}
