@@ -63,12 +63,18 @@ class MemoryBroker:
         if self._arrived is not None:
             self._arrived.set()
 
-    async def wait_for_messages(self) -> None:
+    async def wait_for_messages(self, timeout: float | None = None) -> bool:
+        """Wait until a message is available; False if ``timeout`` passed first (an empty receive)."""
         if self._arrived is None:
             self._arrived = asyncio.Event()
-        while not self.available:
-            self._arrived.clear()
-            await self._arrived.wait()
+        try:
+            async with asyncio.timeout(timeout):
+                while not self.available:
+                    self._arrived.clear()
+                    await self._arrived.wait()
+        except TimeoutError:
+            return False
+        return True
 
 
 brokers: dict[str, MemoryBroker] = {}
@@ -93,6 +99,10 @@ class MemoryDelivery(Delivery):
     raw: MemoryMessage
 
 
+# How long the producer waits for a message before it counts as an empty receive.
+QUIET_POLL = 0.2
+
+
 class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, MemoryDelivery]):
     broker = "kafka"
 
@@ -103,7 +113,9 @@ class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, 
         broker = memory_broker(self.settings.broker_name)
         broker.producers.append(self)
         while True:
-            await broker.wait_for_messages()
+            if not await broker.wait_for_messages(timeout=QUIET_POLL):
+                self.deferred.release_all()  # an empty receive, as on a real broker
+                continue
             credit = await self.wait_for_credit()
             while credit > 0 and broker.available:
                 raw = broker.available.popleft()

@@ -22,6 +22,7 @@ from airflow_shared_stream_provider._core.dispositions import Decision, Disposit
 from airflow_shared_stream_provider._core.envelope import BrokerName, StreamMessage, build_envelope
 from airflow_shared_stream_provider._core.flow import FlowGate, gates
 from airflow_shared_stream_provider._core.metrics import StreamCounters
+from airflow_shared_stream_provider._core.release import ENTRIES_PER_MESSAGE, DeferredRelease
 from airflow_shared_stream_provider._core.settings import StreamSettings
 
 DEFAULT_QUEUE_SIZE = 1024
@@ -96,6 +97,17 @@ def flow_window(queue_size: int) -> int:
     return max(1, queue_size - max(1, queue_size // 16))
 
 
+def held_release_limit(queue_size: int, max_in_flight: int) -> int:
+    """
+    Most entries :class:`DeferredRelease` holds: ``min(max_in_flight, 4 flow windows)`` messages.
+
+    Not lower: one advance batch can be a whole persistence round of messages (50 ms at 25k msgs/s
+    is 1250, more than a window), and what a batch brings over the limit is freed in one burst.
+    Not higher: held messages are at most about as many as may be in flight anyway.
+    """
+    return ENTRIES_PER_MESSAGE * min(max_in_flight, 4 * flow_window(queue_size))
+
+
 class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT, DeliveryT]):
     broker: ClassVar[BrokerName]
 
@@ -109,6 +121,8 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         self._in_flight = 0
         self._fired_reported = 0
         self._closed = False
+        # Advanced batches, freed one message per message read (see _core/release.py).
+        self.deferred = DeferredRelease(limit=held_release_limit(self.queue_size, settings.max_in_flight))
 
     # -- for subclasses ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -181,6 +195,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         :meth:`stream_message`: call it immediately before the ``yield``).
         """
         self._in_flight += 1
+        self.deferred.release_some()
         return self.gate.next_seq()
 
     # -- SharedStreamProducer ------------------------------------------------------------------
@@ -206,6 +221,8 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         if applied is not None and len(applied) != len(decided):
             raise RuntimeError(f"{type(self).__name__}._apply returned {len(applied)} results for {len(decided)}")
         self._count(batch, applied if applied is not None else decided)
+        self.deferred.hold(batch)
+        self.deferred.hold(decided)
 
     def _count(self, batch: Sequence[AdvanceItem], decided: Sequence[Decided[DeliveryT]]) -> None:
         committed = dead_lettered = redelivered = held = rejected = poison = 0
@@ -242,6 +259,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         if self._closed:
             return
         self._closed = True
+        self.deferred.release_all()
         try:
             await self._close()
         finally:

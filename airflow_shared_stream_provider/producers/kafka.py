@@ -266,6 +266,8 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 continue
             self._enforce_full_assignment()
             fetched = await consumer.getmany(timeout_ms=poll_ms, max_records=min(credit, self.settings.max_batch_size))
+            if not fetched:
+                self.deferred.release_all()  # quiet stream: hold nothing (see _core/release.py)
             received = 0
             for tp, records in fetched.items():
                 lane = self._lanes.get(tp)

@@ -393,6 +393,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                 task, self._next_pull = self._next_pull, None
                 pull_index, started, received = await task
                 if not received:
+                    self.deferred.release_all()  # quiet subscription: hold nothing (see _core/release.py)
                     # Real Pub/Sub holds an empty pull open until pull_timeout; a server that answers
                     # empty at once (the emulator) is polled with a growing pause, at most 1 s.
                     elapsed = time.monotonic() - started

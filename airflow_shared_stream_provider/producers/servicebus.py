@@ -452,6 +452,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                 counters.add("api_calls")
             idle = not batch
             if not batch:
+                self.deferred.release_all()  # quiet entity: hold nothing (see _core/release.py)
                 continue
             counters.add("received", len(batch))
             now = datetime.now(UTC)

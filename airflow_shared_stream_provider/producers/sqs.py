@@ -534,6 +534,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                         continue
                     errors = 0
                     if not messages:
+                        self.deferred.release_all()  # quiet queue: hold nothing (see _core/release.py)
                         continue
                     self.counters.add("received", len(messages))
                     call = next(self._receive_calls)
