@@ -42,7 +42,7 @@ class Decision(NamedTuple):
     reason: str
 
 
-_COMMIT = Decision(Disposition.COMMIT, "accepted by every watcher")
+COMMIT_DECISION: Final = Decision(Disposition.COMMIT, "accepted by every watcher")
 _HOLD = Decision(Disposition.HOLD, "no watcher was subscribed when it was broadcast")
 
 
@@ -66,5 +66,5 @@ def decide(
             )
         return Decision(Disposition.REDELIVER, f"failed for {outcome.failed} watcher(s) (ack timeout or overflow)")
     if outcome.acked:
-        return _COMMIT
+        return COMMIT_DECISION
     return _HOLD

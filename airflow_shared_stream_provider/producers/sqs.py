@@ -623,7 +623,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         return failed
 
     # -- advance -------------------------------------------------------------------------------
-    async def _apply(self, decided: Sequence[Decided[SqsDelivery]]) -> None:
+    async def _apply(self, decided: Sequence[Decided[SqsDelivery]]) -> Sequence[Decided[SqsDelivery]]:
         if self._client is None:
             raise BrokerHandleClosedError(
                 f"advance called after the SQS client for {self.settings.queue_url} was closed; not advanced"
@@ -685,10 +685,8 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                 else entry
                 for entry in entries
             ]
-        if isinstance(decided, list):
-            # The base class counts dispositions from this list after _apply: make it say what was
-            # done (FIFO releases, lost leases), not what was asked.
-            decided[:] = entries
+        # What was done (FIFO releases, lost leases), not what was asked: the base class counts this.
+        return entries
 
     def _coalesce(self, call: int, advanced: int, deletes: list[SqsDelivery]) -> list[SqsDelivery]:
         """
