@@ -13,13 +13,13 @@ allocation counted, as if the heap kept growing.
 
 Holding the advanced batch here and freeing it one message per new message spreads those frees
 between the allocations they offset. Measured with Kafka at N=1 (20k messages): young collections
-~400 -> ~300 and full collections 3 -> 2, about 0.12 s less CPU per 20k messages
-(docs/performance.md, "Deferred release").
+~400 -> ~290 and full collections 3 -> 2, about 0.13 s less CPU per 20k messages
+(docs/performance.md, Kafka).
 
-Bounds: at most :attr:`DeferredRelease.limit` held entries (about a flow window of messages, the
-same order as what is in flight anyway), and everything is released when the stream goes quiet
-(:meth:`release_all`, called by every producer when a receive comes back empty), so an idle
-stream holds nothing for longer than one poll.
+Bounds: at most :attr:`DeferredRelease.limit` held entries (``held_release_limit``: at most
+``min(max_in_flight, 4 flow windows)`` messages, about what may be in flight anyway), and
+everything is released when the stream goes quiet (:meth:`release_all`, called by every producer
+when a receive comes back empty), so an idle stream holds nothing for longer than one poll.
 
 Holding only delays ``free``: nothing here is read again, and a message's outcome is settled on
 the broker before its batch is held.
