@@ -17,7 +17,7 @@ between the allocations they offset. Measured with Kafka at N=1 (20k messages): 
 (docs/performance.md, Kafka).
 
 Bounds: at most :attr:`DeferredRelease.limit` held entries (``held_release_limit``: at most
-``min(max_in_flight, 4 flow windows)`` messages, about what may be in flight anyway), and
+``min(max_in_flight, 2 flow windows)`` messages, about what may be in flight anyway), and
 everything is released when the stream goes quiet (:meth:`release_all`, called by every producer
 when a receive comes back empty), so an idle stream holds nothing for longer than one poll.
 

@@ -72,7 +72,7 @@ def test_release_all_frees_everything() -> None:
 
 
 def test_the_limit_is_a_few_windows_never_more_than_may_be_in_flight() -> None:
-    assert held_release_limit(1024, 10_000) == ENTRIES_PER_MESSAGE * 4 * flow_window(1024)
+    assert held_release_limit(1024, 10_000) == ENTRIES_PER_MESSAGE * 2 * flow_window(1024)
     assert held_release_limit(1024, 100) == ENTRIES_PER_MESSAGE * 100
 
 
@@ -110,5 +110,5 @@ async def test_on_the_manager_no_more_than_the_limit_is_held(broker: MemoryBroke
             return len(broker.committed) == 60
 
         await wait_until(step, timeout=10, what="60 commits")
-        assert broker.producers[-1].deferred.limit == ENTRIES_PER_MESSAGE * 8  # min(max_in_flight, 4 windows)
+        assert broker.producers[-1].deferred.limit == ENTRIES_PER_MESSAGE * 8  # min(max_in_flight, 2 windows)
     assert 0 < high <= ENTRIES_PER_MESSAGE * 8
