@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence, Sized
+from collections.abc import Iterator, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, Protocol, TypeVar
 
@@ -43,6 +43,26 @@ SQS_DLQ: Final = "orders-dlq"
 SQS_CONN_ID: Final = "aws_default"
 DEAD_LETTER_REASON: Final = "x-dead-letter-reason"
 DEAD_LETTER_MESSAGE_ID: Final = "x-dead-letter-message-id"
+
+
+def paced_chunks(
+    messages: Sequence[OrderMessage], *, size: int, rate: float | None, stop: threading.Event | None
+) -> Iterator[Sequence[OrderMessage]]:
+    """
+    ``messages`` in order, in chunks of ``size`` (one at a time when ``rate`` paces them: message i
+    is due ``i / rate`` seconds after the start); ends early once ``stop`` is set.
+    """
+    if rate:
+        size = 1
+    started = time.monotonic()
+    for start in range(0, len(messages), size):
+        if stop is not None and stop.is_set():
+            return
+        if rate:
+            delay = started + start / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        yield messages[start : start + size]
 
 
 @dataclass(frozen=True)
@@ -210,16 +230,7 @@ class SqsOrders:
         return ``MessageId -> message`` (the envelope's ``message_id``).
         """
         sent: dict[str, OrderMessage] = {}
-        size = 1 if rate else 10
-        started = time.monotonic()
-        for start in range(0, len(messages), size):
-            if stop is not None and stop.is_set():
-                break
-            if rate:
-                delay = started + start / rate - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-            chunk = messages[start : start + size]
+        for chunk in paced_chunks(messages, size=10, rate=rate, stop=stop):
             entries = [{"Id": str(i), "MessageBody": m.value.decode("utf-8")} for i, m in enumerate(chunk)]
             response = self.client.send_message_batch(QueueUrl=self.queue_url, Entries=entries)
             if response.get("Failed"):
@@ -347,16 +358,8 @@ class PubSubOrders:
     ) -> list[str]:
         """Publish in order (one request per message when ``rate`` paces them); return the message ids."""
         ids: list[str] = []
-        size = 1 if rate else 500
-        started = time.monotonic()
-        for start in range(0, len(messages), size):
-            if stop is not None and stop.is_set():
-                break
-            if rate:
-                delay = started + start / rate - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-            chunk = [{"data": m.value} for m in messages[start : start + size]]
+        for messages_chunk in paced_chunks(messages, size=500, rate=rate, stop=stop):
+            chunk = [{"data": m.value} for m in messages_chunk]
             response = self.publisher.publish(request={"topic": self.topic, "messages": chunk}, timeout=30)
             ids.extend(response.message_ids)
             with self._lock:
