@@ -65,4 +65,31 @@ def get_provider_info() -> dict[str, Any]:
             "airflow_shared_stream_provider.queues.PubSubSharedStreamQueueProvider",
             "airflow_shared_stream_provider.queues.ServiceBusSharedStreamQueueProvider",
         ],
+        "config": {
+            "shared_stream_provider": {
+                "description": "Settings of the shared-stream producers that describe the triggerer deployment, "
+                "not a Dag.\n",
+                "options": {
+                    "cohort_settle": {
+                        "description": "Seconds a new shared stream waits, before its first receive, for no more "
+                        "sibling watcher\n"
+                        "to subscribe (a triggerer takes at most 50 new triggers per loop, about one per second).\n"
+                        "Not waited when every watcher recorded in the stream's cohort record is back.\n",
+                        "version_added": "0.1.0",
+                        "type": "float",
+                        "example": None,
+                        "default": "3.0",
+                    },
+                    "cohort_max_wait": {
+                        "description": "Most seconds a new shared stream waits for the watchers of its cohort record "
+                        "(those of\n"
+                        "its last formation) before reading without the missing ones, which it then forgets.\n",
+                        "version_added": "0.1.0",
+                        "type": "float",
+                        "example": None,
+                        "default": "60.0",
+                    },
+                },
+            },
+        },
     }

@@ -1,4 +1,5 @@
-"""A throwaway, real Airflow 3.3 on a temporary ``AIRFLOW_HOME`` with a SQLite metadata DB.
+"""A throwaway, real Airflow 3.3 on a temporary ``AIRFLOW_HOME`` with a SQLite metadata DB
+(or any SQLAlchemy URL: ``sql_alchemy_conn``, e.g. a :class:`devkit.postgres.PostgresServer`'s).
 
 Used by the end-to-end tests and by ``python -m devkit.demo``::
 
@@ -27,7 +28,8 @@ Choices (Airflow 3.3):
   :meth:`AirflowEnv.unpause` therefore also asks the Dag processor to re-parse the Dag files
   (``PUT /api/v2/parseDagFile/{file_token}``), and :meth:`AirflowEnv.wait_for_watchers` waits until
   the triggerer has picked the watchers' triggers up. The one thing the REST API does not expose
-  (which triggerer runs which trigger) is read from the SQLite file in read-only mode.
+  (which triggerer runs which trigger) is read from the SQLite file in read-only mode (on
+  PostgreSQL: a read-only psycopg2 session).
 * ``[triggerer] triggerer_health_check_threshold`` is lowered to 10 s so a triggerer restarted
   after ``kill -9`` takes the dead one's triggers over quickly.
 """
@@ -197,6 +199,9 @@ class AirflowEnv:
         folder. Airflow 3.3 puts the Dags folder on ``sys.path`` of the Dag processor and of task
         processes, but **not of the triggerer** (only ``$AIRFLOW_HOME/config`` and the plugins
         folder), and the triggerer is where ``filter_function="module.func"`` is imported.
+    :param sql_alchemy_conn: metadata DB URL (``[database] sql_alchemy_conn``); default: a SQLite
+        file in the home. Only SQLite and ``postgresql+psycopg2://`` are supported by the read-only
+        helpers (:meth:`query_db`). The DB must be empty or migrated by the same Airflow version.
     """
 
     dags_folder: Path
@@ -212,6 +217,7 @@ class AirflowEnv:
     startup_timeout: float = 300.0
     api_port: int = 0
     python_path: tuple[Path, ...] | None = None
+    sql_alchemy_conn: str | None = None
 
     components: dict[str, AirflowComponent] = field(default_factory=dict, init=False)
     _created_home: bool = field(default=False, init=False)
@@ -244,6 +250,10 @@ class AirflowEnv:
         return self.airflow_home / "airflow.db"
 
     @property
+    def is_postgres(self) -> bool:
+        return self.sql_alchemy_conn is not None and self.sql_alchemy_conn.startswith("postgresql")
+
+    @property
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.api_port}"
 
@@ -262,7 +272,7 @@ class AirflowEnv:
         from cryptography.fernet import Fernet
 
         settings: dict[tuple[str, str], object] = {
-            ("database", "sql_alchemy_conn"): f"sqlite:///{self.db_path}",
+            ("database", "sql_alchemy_conn"): self.sql_alchemy_conn or f"sqlite:///{self.db_path}",
             ("core", "dags_folder"): str(self.dags_folder),
             ("core", "load_examples"): False,
             ("core", "executor"): "LocalExecutor",
@@ -292,6 +302,12 @@ class AirflowEnv:
             ("triggerer", "triggerer_health_check_threshold"): 10,
             ("triggerer", "shared_stream_cohort_grace_period"): 2.0,
         }
+        if self.is_postgres:
+            # Airflow derives the async URL by swapping the driver for asyncpg; set it explicitly
+            # so the sync (psycopg2) and async (asyncpg) engines can never disagree on the DB.
+            assert self.sql_alchemy_conn is not None
+            _scheme, rest = self.sql_alchemy_conn.split("://", 1)
+            settings["database", "sql_alchemy_conn_async"] = f"postgresql+asyncpg://{rest}"
         for option, value in self.triggerer.items():
             settings["triggerer", option] = value
         for section, options in self.config.items():
@@ -408,7 +424,7 @@ class AirflowEnv:
             self.check_alive()
             try:
                 result = predicate()
-            except (httpx.HTTPError, sqlite3.Error, AirflowEnvError) as exc:
+            except (httpx.HTTPError, sqlite3.Error, AirflowEnvError) as exc:  # query_db wraps psycopg2's
                 last_error = exc
                 result = None
             if result:
@@ -580,7 +596,8 @@ class AirflowEnv:
         )
         rows = self.query_db(sql, (asset_name,) if asset_name is not None else ())
         return [
-            {"id": int(i), "name": str(n), "extra": json.loads(x) if x else None, "timestamp": str(t)}
+            # SQLite returns the JSON column as text, psycopg2 decoded (a dict).
+            {"id": int(i), "name": str(n), "extra": json.loads(x) if isinstance(x, str) else x, "timestamp": str(t)}
             for i, n, x, t in rows
         ]
 
@@ -642,9 +659,36 @@ class AirflowEnv:
             conn.close()
 
     def query_db(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
-        """Run one read-only query on the SQLite metadata DB."""
+        """Run one read-only query on the metadata DB (``?`` placeholders, for either DB)."""
+        if self.is_postgres:
+            return self._query_postgres(sql, tuple(params))
         with self._db() as conn:
             return list(conn.execute(sql, tuple(params)).fetchall())
+
+    def _query_postgres(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        import psycopg2
+        from sqlalchemy.engine import make_url
+
+        assert self.sql_alchemy_conn is not None
+        url = make_url(self.sql_alchemy_conn)
+        try:
+            conn = psycopg2.connect(
+                host=url.host, port=url.port, user=url.username, password=url.password, dbname=url.database
+            )
+        except psycopg2.Error as exc:
+            raise AirflowEnvError(f"cannot connect to the metadata DB: {exc}") from exc
+        try:
+            conn.set_session(readonly=True, autocommit=True)
+            with conn.cursor() as cursor:
+                # Our queries hold no literal "?" and no "%": the placeholders map one to one to
+                # psycopg2's (without parameters, psycopg2 leaves the text alone).
+                cursor.execute(sql.replace("?", "%s"), params or None)
+                return list(cursor.fetchall())
+        except psycopg2.Error as exc:
+            # As an AirflowEnvError, wait_until retries it like a busy SQLite file.
+            raise AirflowEnvError(f"metadata DB query failed: {exc}") from exc
+        finally:
+            conn.close()
 
     def running_watchers(self) -> list[tuple[str, str, int | None]]:
         """``(asset name, watcher name, triggerer job id)`` of every registered asset watcher."""
@@ -656,9 +700,9 @@ class AirflowEnv:
 
     def alive_triggerer_ids(self) -> set[int]:
         """Triggerer jobs that are running and heart-beat in the last 10 seconds."""
+        recent = "now() - interval '10 seconds'" if self.is_postgres else "datetime('now', '-10 seconds')"
         rows = self.query_db(
-            "SELECT id FROM job WHERE job_type = 'TriggererJob' AND state = 'running' "
-            "AND latest_heartbeat >= datetime('now', '-10 seconds')"
+            f"SELECT id FROM job WHERE job_type = 'TriggererJob' AND state = 'running' AND latest_heartbeat >= {recent}"
         )
         return {int(row[0]) for row in rows}
 

@@ -10,7 +10,8 @@ by the PySpark pipeline, the consumer group's committed offsets and the DLQ coun
 summary and stops every process it started (``--keep`` leaves them running until Ctrl-C).
 
 Works without a TTY (plain progress lines instead of the live table). Options: ``--messages N``,
-``--rate R`` (messages per second), ``--broker kafka|sqs|pubsub`` (a moto server or Google's
+``--rate R`` (messages per second), ``--spark local|standalone|connect`` (where the PySpark task
+runs; see :mod:`devkit.spark_cluster`), ``--broker kafka|sqs|pubsub`` (a moto server or Google's
 Pub/Sub emulator and that broker's example Dags; see :mod:`devkit.demo_streams`), ``--keep``,
 ``--timeout S``.
 
@@ -21,7 +22,6 @@ reused by ``tests/e2e``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -32,29 +32,35 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from devkit.airflow_env import AirflowEnv, AirflowEnvError
 
+# The "X as X" names are re-exported: tests/e2e import them from here, where they were defined
+# before demo_streams and demo_types took them over (to break an import circle).
+# ruff: noqa: PLC0414
+from devkit.demo_streams import KafkaOrders as KafkaOrders
+from devkit.demo_streams import Published as Published
+from devkit.demo_streams import kafka_connection as kafka_connection
+from devkit.demo_types import GROUP_ID as GROUP_ID
+from devkit.demo_types import KAFKA_DAG_FILES, Settlement
+from devkit.demo_types import TOPIC as TOPIC
+from devkit.demo_types import WATCHERS as WATCHERS
+from devkit.demo_types import OrderMessage as OrderMessage
+from devkit.spark_cluster import SparkCluster
+
 if TYPE_CHECKING:
     from types import FrameType
 
-    from devkit.demo_streams import DemoStream, Settlement
+    from devkit.demo_streams import DemoStream
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 EXAMPLE_DAGS: Final = REPO_ROOT / "example_dags"
-KAFKA_DAG_FILES: Final = ("example_kafka_orders.py", "order_filters.py", "order_events.py", "orders_spark.py")
 
-TOPIC: Final = "orders"
-DLQ_TOPIC: Final = "orders.dlq"
-PARTITIONS: Final = 3
-GROUP_ID: Final = "airflow-shared-stream.kafka_default.orders"
-
-# The example watchers (asset name == watcher name) and the Dags scheduled on them.
-WATCHERS: Final = ("kafka_orders_eu", "kafka_orders_us_apac", "kafka_orders_big", "kafka_orders_valid")
+# The Dags scheduled on the example watchers (WATCHERS: asset name == watcher name).
 CONSUMER_DAGS: Final = (
     "kafka_orders_eu_consumer",
     "kafka_orders_us_apac_consumer",
@@ -75,22 +81,6 @@ SPARK_LOCAL_CONNECTION: Final = {
 
 
 # -- the scenario ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class OrderMessage:
-    """One message to publish: its key, raw value bytes and what kind of input it is."""
-
-    key: bytes
-    value: bytes
-    kind: str  # order | malformed-json | not-an-order | binary | oversize | poison
-
-    def body(self) -> Any:
-        """The body as a watcher sees it (parsed JSON, else None)."""
-        try:
-            return json.loads(self.value.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            return None
-
-
 def make_order(order_id: str, region: str, amount: float, created_at: datetime, **extra: Any) -> OrderMessage:
     body = {
         "order_id": order_id,
@@ -198,156 +188,6 @@ def flush_order(index: int = 0) -> OrderMessage:
     return make_order(f"flush-{index:06d}", "eu", 0.0, datetime(2026, 1, 1, 12, 0, tzinfo=UTC))
 
 
-# -- Kafka ----------------------------------------------------------------------------------------
-@dataclass
-class Published:
-    message: OrderMessage
-    partition: int
-    offset: int
-
-    @property
-    def message_id(self) -> str:
-        return f"{TOPIC}/{self.partition}/{self.offset}"
-
-
-@dataclass
-class KafkaOrders:
-    """Topic admin, publishing and offset inspection for the ``orders`` stream (aiokafka)."""
-
-    bootstrap: str
-    topic: str = TOPIC
-    dlq_topic: str = DLQ_TOPIC
-    group_id: str = GROUP_ID
-    published: list[Published] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def create_topics(self, partitions: int = PARTITIONS) -> None:
-        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
-        async def create() -> None:
-            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
-            await admin.start()
-            try:
-                existing = set(await admin.list_topics())
-                wanted = [
-                    NewTopic(name, count, 1)
-                    for name, count in ((self.topic, partitions), (self.dlq_topic, 1))
-                    if name not in existing
-                ]
-                if wanted:
-                    await admin.create_topics(wanted)
-            finally:
-                await admin.close()
-
-        asyncio.run(create())
-
-    def publish(
-        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
-    ) -> list[Published]:
-        """Publish in order (acks=all), at most ``rate`` messages per second; return their coordinates."""
-        from aiokafka import AIOKafkaProducer
-
-        async def send() -> list[Published]:
-            producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", max_request_size=4 * 1024 * 1024)
-            await producer.start()
-            out: list[Published] = []
-            started = time.monotonic()
-            try:
-                for index, message in enumerate(messages):
-                    if stop is not None and stop.is_set():
-                        break
-                    if rate:
-                        delay = started + index / rate - time.monotonic()
-                        if delay > 0:
-                            await asyncio.sleep(delay)
-                    meta = await producer.send_and_wait(self.topic, message.value, key=message.key)
-                    record = Published(message, meta.partition, meta.offset)
-                    out.append(record)
-                    with self._lock:
-                        self.published.append(record)
-            finally:
-                await producer.stop()
-            return out
-
-        return asyncio.run(send())
-
-    def end_offsets(self) -> dict[int, int]:
-        from aiokafka import AIOKafkaConsumer, TopicPartition
-
-        async def read() -> dict[int, int]:
-            consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap)
-            await consumer.start()
-            try:
-                partitions = sorted(consumer.partitions_for_topic(self.topic) or range(PARTITIONS))
-                ends = await consumer.end_offsets([TopicPartition(self.topic, p) for p in partitions])
-                return {tp.partition: int(offset) for tp, offset in ends.items()}
-            finally:
-                await consumer.stop()
-
-        return asyncio.run(read())
-
-    def committed(self) -> dict[int, int]:
-        """The consumer group's committed offset per partition (next offset to read; absent = none)."""
-        from aiokafka import AIOKafkaConsumer, TopicPartition
-
-        async def read() -> dict[int, int]:
-            # A consumer that never subscribes does not join the group: committed() only asks the
-            # group coordinator (OffsetFetch).
-            consumer = AIOKafkaConsumer(
-                bootstrap_servers=self.bootstrap, group_id=self.group_id, enable_auto_commit=False
-            )
-            await consumer.start()
-            try:
-                partitions = sorted(consumer.partitions_for_topic(self.topic) or range(PARTITIONS))
-                out: dict[int, int] = {}
-                for partition in partitions:
-                    offset = await consumer.committed(TopicPartition(self.topic, partition))
-                    if offset is not None and offset >= 0:
-                        out[partition] = int(offset)
-                return out
-            finally:
-                await consumer.stop()
-
-        return asyncio.run(read())
-
-    def dlq_records(self, timeout: float = 5.0) -> list[dict[str, Any]]:
-        """Every record of the DLQ topic: key, value and headers."""
-        from aiokafka import AIOKafkaConsumer, TopicPartition
-
-        async def read() -> list[dict[str, Any]]:
-            consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
-            await consumer.start()
-            records: list[dict[str, Any]] = []
-            try:
-                partitions = [
-                    TopicPartition(self.dlq_topic, p)
-                    for p in sorted(consumer.partitions_for_topic(self.dlq_topic) or {0})
-                ]
-                consumer.assign(partitions)
-                await consumer.seek_to_beginning(*partitions)
-                ends = await consumer.end_offsets(partitions)
-                deadline = time.monotonic() + timeout
-                while time.monotonic() < deadline:
-                    positions = [await consumer.position(tp) for tp in partitions]
-                    if all(pos >= ends[tp] for pos, tp in zip(positions, partitions, strict=True)):
-                        break
-                    batch = await consumer.getmany(*partitions, timeout_ms=500)
-                    for tp_records in batch.values():
-                        for record in tp_records:
-                            records.append(
-                                {
-                                    "key": record.key,
-                                    "value": record.value,
-                                    "headers": {k: v.decode("utf-8", "replace") for k, v in record.headers},
-                                }
-                            )
-            finally:
-                await consumer.stop()
-            return records
-
-        return asyncio.run(read())
-
-
 # -- Spark output ---------------------------------------------------------------------------------
 def spark_output_rows(dataset_dir: Path) -> dict[str, int]:
     """Rows in the pipeline's Parquet datasets (read with pyarrow: no JVM needed)."""
@@ -395,10 +235,6 @@ def spark_message_ids(dataset_dir: Path) -> list[str]:
 
 
 # -- the Airflow side -----------------------------------------------------------------------------
-def kafka_connection(bootstrap: str) -> dict[str, Any]:
-    return {"conn_type": "kafka", "extra": {"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest"}}
-
-
 def build_dags_folder(target: Path, files: Iterable[str] = KAFKA_DAG_FILES, extra: Iterable[Path] = ()) -> Path:
     """Copy the example Dag files (and any ``extra`` files) into ``target``."""
     target.mkdir(parents=True, exist_ok=True)
@@ -488,6 +324,7 @@ def run_demo(args: argparse.Namespace) -> int:
     watchers, consumer_dags, spark_dag = stream.watchers, stream.consumer_dags, stream.spark_dag
     valid_watcher = stream.watcher_name("kafka_orders_valid")
     env: AirflowEnv | None = None
+    spark_cluster: SparkCluster | None = None
     publisher: threading.Thread | None = None
     stop_publishing = threading.Event()
     exit_code = 0
@@ -496,10 +333,24 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"starting the local {args.broker} broker ...")
         say(f"  {stream.start()}")
 
+        spark_connection: dict[str, Any] = SPARK_LOCAL_CONNECTION
+        if args.spark != "local":
+            # --spark standalone|connect: the pipeline's connection points at a local cluster.
+            connect = args.spark == "connect"
+            say(f"starting a Spark cluster: master + 2 workers{' + Spark Connect server' if connect else ''} ...")
+            spark_cluster = SparkCluster(connect=connect)
+            spark_cluster.start()
+            if connect:
+                spark_connection = spark_cluster.connect_connection()
+                say(f"  {spark_cluster.connect_url} (master {spark_cluster.master_url})")
+            else:
+                spark_connection = spark_cluster.standalone_connection()
+                say(f"  {spark_cluster.master_url} (UI {spark_cluster.master_ui_url})")
+
         dags = build_dags_folder(workdir / "dags", files=stream.dag_files)
         env = AirflowEnv(
             dags,
-            connections={**stream.connections(), "spark_orders": SPARK_LOCAL_CONNECTION},
+            connections={**stream.connections(), "spark_orders": spark_connection},
             env={"ORDERS_OUTPUT_DIR": str(output_dir), "ORDERS_SPARK_CONN_ID": "spark_orders", **stream.dag_env()},
             triggerer={"shared_stream_cohort_grace_period": 2.0, "shared_stream_ack_timeout": 120.0},
             home=workdir / "airflow-home",
@@ -633,6 +484,8 @@ def run_demo(args: argparse.Namespace) -> int:
         if env is not None:
             env.stop()
         stream.stop()
+        if spark_cluster is not None:
+            spark_cluster.stop()
         if not args.keep_files:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
@@ -653,6 +506,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="kafka",
         help="kafka (Tansu, default), sqs (moto server) or pubsub (Google's emulator): same scenario, "
         "that broker's example Dags",
+    )
+    parser.add_argument(
+        "--spark",
+        choices=["local", "standalone", "connect"],
+        default="local",
+        help="where the PySpark pipeline runs: local[2] in the task (default), a local standalone cluster "
+        "(master + 2 workers) or a Spark Connect server on it (devkit.spark_cluster)",
     )
     parser.add_argument("--keep", action="store_true", help="keep everything running after the summary (Ctrl-C stops)")
     parser.add_argument("--keep-files", action="store_true", help="keep the work dir (logs, DB, Parquet output)")

@@ -14,6 +14,7 @@ independent client, never through the provider.
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 import os
 import threading
@@ -23,16 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Generic, Protocol, TypeVar
 
 from devkit.brokers import BrokerProcess, start_kafka, start_moto, start_pubsub_emulator, stop_moto
-from devkit.demo import (
+from devkit.demo_types import (
     DLQ_TOPIC,
     GROUP_ID,
     KAFKA_DAG_FILES,
     PARTITIONS,
     TOPIC,
     WATCHERS,
-    KafkaOrders,
     OrderMessage,
-    kafka_connection,
+    Settlement,
 )
 
 PUBSUB_PROJECT: Final = "shared-stream-demo"
@@ -41,6 +41,7 @@ SQS_REGION: Final = "us-east-1"
 SQS_QUEUE: Final = "orders"
 SQS_DLQ: Final = "orders-dlq"
 SQS_CONN_ID: Final = "aws_default"
+MOTO_KEY: Final = "testing"  # moto accepts any credentials: this key id and secret everywhere
 DEAD_LETTER_REASON: Final = "x-dead-letter-reason"
 DEAD_LETTER_MESSAGE_ID: Final = "x-dead-letter-message-id"
 
@@ -65,17 +66,157 @@ def paced_chunks(
         yield messages[start : start + size]
 
 
-@dataclass(frozen=True)
-class Settlement:
-    """How far the stream got: ``settled`` of ``total`` messages, with a one-line detail."""
-
-    settled: int
-    total: int
-    detail: str
+@dataclass
+class Published:
+    message: OrderMessage
+    partition: int
+    offset: int
 
     @property
-    def complete(self) -> bool:
-        return self.settled >= self.total
+    def message_id(self) -> str:
+        return f"{TOPIC}/{self.partition}/{self.offset}"
+
+
+@dataclass
+class KafkaOrders:
+    """Topic admin, publishing and offset inspection for the ``orders`` stream (aiokafka)."""
+
+    bootstrap: str
+    topic: str = TOPIC
+    dlq_topic: str = DLQ_TOPIC
+    group_id: str = GROUP_ID
+    published: list[Published] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def create_topics(self, partitions: int = PARTITIONS) -> None:
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+        async def create() -> None:
+            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
+            await admin.start()
+            try:
+                existing = set(await admin.list_topics())
+                wanted = [
+                    NewTopic(name, count, 1)
+                    for name, count in ((self.topic, partitions), (self.dlq_topic, 1))
+                    if name not in existing
+                ]
+                if wanted:
+                    await admin.create_topics(wanted)
+            finally:
+                await admin.close()
+
+        asyncio.run(create())
+
+    def publish(
+        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
+    ) -> list[Published]:
+        """Publish in order (acks=all), at most ``rate`` messages per second; return their coordinates."""
+        from aiokafka import AIOKafkaProducer
+
+        async def send() -> list[Published]:
+            producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", max_request_size=4 * 1024 * 1024)
+            await producer.start()
+            out: list[Published] = []
+            started = time.monotonic()
+            try:
+                for index, message in enumerate(messages):
+                    if stop is not None and stop.is_set():
+                        break
+                    if rate:
+                        delay = started + index / rate - time.monotonic()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                    meta = await producer.send_and_wait(self.topic, message.value, key=message.key)
+                    record = Published(message, meta.partition, meta.offset)
+                    out.append(record)
+                    with self._lock:
+                        self.published.append(record)
+            finally:
+                await producer.stop()
+            return out
+
+        return asyncio.run(send())
+
+    def end_offsets(self) -> dict[int, int]:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        async def read() -> dict[int, int]:
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap)
+            await consumer.start()
+            try:
+                partitions = sorted(consumer.partitions_for_topic(self.topic) or range(PARTITIONS))
+                ends = await consumer.end_offsets([TopicPartition(self.topic, p) for p in partitions])
+                return {tp.partition: int(offset) for tp, offset in ends.items()}
+            finally:
+                await consumer.stop()
+
+        return asyncio.run(read())
+
+    def committed(self) -> dict[int, int]:
+        """The consumer group's committed offset per partition (next offset to read; absent = none)."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        async def read() -> dict[int, int]:
+            # A consumer that never subscribes does not join the group: committed() only asks the
+            # group coordinator (OffsetFetch).
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap, group_id=self.group_id, enable_auto_commit=False
+            )
+            await consumer.start()
+            try:
+                partitions = sorted(consumer.partitions_for_topic(self.topic) or range(PARTITIONS))
+                out: dict[int, int] = {}
+                for partition in partitions:
+                    offset = await consumer.committed(TopicPartition(self.topic, partition))
+                    if offset is not None and offset >= 0:
+                        out[partition] = int(offset)
+                return out
+            finally:
+                await consumer.stop()
+
+        return asyncio.run(read())
+
+    def dlq_records(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """Every record of the DLQ topic: key, value and headers."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        async def read() -> list[dict[str, Any]]:
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+            await consumer.start()
+            records: list[dict[str, Any]] = []
+            try:
+                partitions = [
+                    TopicPartition(self.dlq_topic, p)
+                    for p in sorted(consumer.partitions_for_topic(self.dlq_topic) or {0})
+                ]
+                consumer.assign(partitions)
+                await consumer.seek_to_beginning(*partitions)
+                ends = await consumer.end_offsets(partitions)
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    positions = [await consumer.position(tp) for tp in partitions]
+                    if all(pos >= ends[tp] for pos, tp in zip(positions, partitions, strict=True)):
+                        break
+                    batch = await consumer.getmany(*partitions, timeout_ms=500)
+                    for tp_records in batch.values():
+                        for record in tp_records:
+                            records.append(
+                                {
+                                    "key": record.key,
+                                    "value": record.value,
+                                    "headers": {k: v.decode("utf-8", "replace") for k, v in record.headers},
+                                }
+                            )
+            finally:
+                await consumer.stop()
+            return records
+
+        return asyncio.run(read())
+
+
+def kafka_connection(bootstrap: str) -> dict[str, Any]:
+    return {"conn_type": "kafka", "extra": {"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest"}}
 
 
 class _Orders(Protocol):
@@ -212,13 +353,8 @@ class SqsOrders:
     def __post_init__(self) -> None:
         import boto3
 
-        self.client = boto3.client(
-            "sqs",
-            region_name=SQS_REGION,
-            endpoint_url=self.endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        )
+        credentials = {"aws_access_key_id": MOTO_KEY, "aws_secret_access_key": MOTO_KEY}
+        self.client = boto3.client("sqs", region_name=SQS_REGION, endpoint_url=self.endpoint, **credentials)
         self.queue_url = str(self.client.create_queue(QueueName=SQS_QUEUE)["QueueUrl"])
         self.dlq_url = str(self.client.create_queue(QueueName=SQS_DLQ)["QueueUrl"])
 
@@ -291,8 +427,8 @@ class SqsDemoStream(DemoStream[SqsOrders]):
         return {
             SQS_CONN_ID: {
                 "conn_type": "aws",
-                "login": "testing",
-                "password": "testing",
+                "login": MOTO_KEY,
+                "password": MOTO_KEY,
                 "extra": {"endpoint_url": self.orders.endpoint, "region_name": SQS_REGION},
             }
         }

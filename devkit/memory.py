@@ -16,15 +16,14 @@ import asyncio
 import dataclasses
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Unpack
 
 from airflow_shared_stream_provider._core.dispositions import Disposition
-from airflow_shared_stream_provider._core.filtering import FilterErrorPolicy
 from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.settings import StreamSettings
-from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
+from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
 
 
 @dataclass
@@ -109,9 +108,10 @@ class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, 
     def source_label(self) -> str:
         return f"memory://{self.settings.broker_name}"
 
-    async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
+    async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
         broker = memory_broker(self.settings.broker_name)
         broker.producers.append(self)
+        await self.cohort_ready()
         while True:
             if not await broker.wait_for_messages(timeout=QUIET_POLL):
                 self.deferred.release_all()  # an empty receive, as on a real broker
@@ -135,7 +135,7 @@ class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, 
                 yield message, MemoryDelivery(message, raw.attempts, raw)
                 credit -= 1
 
-    def get_advance_lane(self, broker_payload: Any) -> Hashable:
+    def lane_of(self, broker_payload: Any) -> Hashable:
         return broker_payload.raw.lane if self.settings.lanes else None
 
     async def _apply(self, decided: Sequence[Decided[MemoryDelivery]]) -> None:
@@ -168,29 +168,5 @@ class MemorySharedStreamTrigger(SharedStreamTrigger):
     producer_class_path = "devkit.memory.MemorySharedStreamProducer"
     settings: MemoryStreamSettings
 
-    def __init__(
-        self,
-        *,
-        broker_name: str,
-        lanes: bool = False,
-        match: Mapping[str, Any] | None = None,
-        filter_function: str | None = None,
-        on_filter_error: FilterErrorPolicy = "reject",
-        max_payload_bytes: int = 65536,
-        oversize_policy: Literal["dead_letter", "truncate"] = "dead_letter",
-        max_delivery_attempts: int | None = 5,
-        max_in_flight: int = 10_000,
-    ) -> None:
-        super().__init__(
-            settings=MemoryStreamSettings(
-                broker_name=broker_name,
-                lanes=lanes,
-                max_payload_bytes=max_payload_bytes,
-                oversize_policy=oversize_policy,
-                max_delivery_attempts=max_delivery_attempts,
-                max_in_flight=max_in_flight,
-            ),
-            match=match,
-            filter_function=filter_function,
-            on_filter_error=on_filter_error,
-        )
+    def __init__(self, *, broker_name: str, lanes: bool = False, **options: Unpack[SharedStreamOptions]) -> None:
+        super().__init__(broker_name=broker_name, lanes=lanes, **options)

@@ -2,7 +2,8 @@
 Reading shared-stream asset events in a Dag, idempotently (imported by the example Dag files).
 
 An asset event fired by a watcher carries the trigger's payload, the message **envelope**, under
-``extra["payload"]`` (Airflow stores trigger events as ``{"from_trigger": true, "payload": ...}``)::
+``extra["payload"]`` (Airflow stores trigger events as ``{"from_trigger": true, "payload": ...}``);
+in batch mode the payload is ``{"messages": [<envelope>, ...]}`` (see :func:`envelopes_of`)::
 
     {"broker": "kafka", "source": "orders", "message_id": "orders/2/17", "body": {...},
      "body_encoding": "json", "attributes": {...}, "published_at": "...", "delivery_attempt": 1,
@@ -35,14 +36,26 @@ def output_dir() -> Path:
     return path
 
 
-def envelope_of(extra: Any) -> dict[str, Any] | None:
-    """The envelope in an asset event's ``extra`` (None if the event did not come from a watcher)."""
+def envelopes_of(extra: Any) -> list[dict[str, Any]]:
+    """
+    The envelopes in an asset event's ``extra``, in both shapes a watcher fires:
+
+    * one message per event (``batch_size=1``, the default): the payload *is* the envelope;
+    * batch mode (``batch_size > 1``): the payload is ``{"messages": [<envelope>, ...]}``.
+
+    A ``flush_after`` marker (``{"marker": "flush", ...}``) carries no message: it only makes
+    Airflow queue a run for events stranded after the last one (Airflow 3.3), so it gives ``[]``,
+    as does an event that did not come from a watcher (e.g. created by hand in the UI).
+    """
     if not isinstance(extra, Mapping):
-        return None
+        return []
     payload = extra.get("payload") if extra.get("from_trigger") else extra
-    if isinstance(payload, Mapping) and payload.get("message_id"):
-        return dict(payload)
-    return None
+    if not isinstance(payload, Mapping) or payload.get("marker"):
+        return []
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        return [dict(m) for m in messages if isinstance(m, Mapping) and m.get("message_id")]
+    return [dict(payload)] if payload.get("message_id") else []
 
 
 def unique_envelopes(triggering_asset_events: Mapping[Any, Iterable[Any]] | None) -> list[dict[str, Any]]:
@@ -50,15 +63,14 @@ def unique_envelopes(triggering_asset_events: Mapping[Any, Iterable[Any]] | None
     The envelopes of a run's triggering asset events, deduplicated on ``message_id``.
 
     ``triggering_asset_events`` maps each asset to its events (objects with ``.extra``); a run
-    created by several events of the same asset gets them all. Events that are not envelopes
-    (e.g. created by hand in the UI) are skipped.
+    created by several events of the same asset gets them all. Batched events are unpacked;
+    markers and events that are not envelopes are skipped.
     """
     seen: dict[str, dict[str, Any]] = {}
     for events in (triggering_asset_events or {}).values():
         for event in events:
             extra = event.get("extra") if isinstance(event, Mapping) else getattr(event, "extra", None)
-            envelope = envelope_of(extra)
-            if envelope is not None:
+            for envelope in envelopes_of(extra):
                 seen.setdefault(str(envelope["message_id"]), envelope)
     return sorted(seen.values(), key=_message_order)
 

@@ -93,9 +93,14 @@ def _stored(spark: SparkSession, path: str) -> DataFrame | None:
     from pyspark.errors import AnalysisException
 
     try:
-        return spark.read.parquet(path)
+        stored = spark.read.parquet(path)
+        # Classic Spark analyzes the read eagerly; Spark Connect only when the plan is first used.
+        # Asking for the schema analyzes it here, so a missing path raises inside this try on both
+        # (otherwise, over Connect, the first batch fails later in the anti-join's collect()).
+        _ = stored.schema
     except AnalysisException:
         return None  # first batch: the dataset does not exist yet
+    return stored
 
 
 def write_order_batch(spark: SparkSession, rows: list[dict[str, Any]], base_path: str, batch_id: str) -> dict[str, Any]:
@@ -165,9 +170,16 @@ def revenue_totals(spark: SparkSession, base_path: str) -> list[dict[str, Any]]:
     return [row.asDict() for row in totals.collect()]
 
 
-def build_orders_spark_pipeline(*, dag_id: str, source: Asset, dataset: str) -> DAG | None:
+def build_orders_spark_pipeline(
+    *, dag_id: str, source: Asset, dataset: str, conn_id: str | None = SPARK_CONN_ID
+) -> DAG | None:
     """
     The asset-scheduled PySpark Dag for ``source``; writes under ``<ORDERS_OUTPUT_DIR>/<dataset>``.
+
+    ``conn_id``: the Spark connection of the ``aggregate`` task (default ``$ORDERS_SPARK_CONN_ID``;
+    None is ``local[*]``): a ``spark`` connection whose host is ``local[N]`` or ``spark://master``,
+    or a ``spark_connect`` connection. The code is the same on each (DataFrame API only, no RDD or
+    SparkContext call, which Spark Connect does not offer).
 
     Returns None (no Dag) when the Spark provider is not installed:
     ``pip install 'airflow-shared-stream-provider[spark]'``.
@@ -191,8 +203,8 @@ def build_orders_spark_pipeline(*, dag_id: str, source: Asset, dataset: str) -> 
         def extract(triggering_asset_events: Any = None) -> list[dict[str, Any]]:
             return order_rows(unique_envelopes(triggering_asset_events))
 
-        # conn_id None -> local[*]; else the connection's host is the master (see docs/spark.md).
-        @task.pyspark(conn_id=SPARK_CONN_ID, config_kwargs=SPARK_TASK_CONFIG)
+        # conn_id None -> local[*]; else the connection says where Spark runs (see docs/spark.md).
+        @task.pyspark(conn_id=conn_id, config_kwargs=SPARK_TASK_CONFIG)
         def aggregate(rows: list[dict[str, Any]], spark: Any = None, run_id: str | None = None) -> dict[str, Any]:
             # On a cluster, point ORDERS_SPARK_PATH at storage every executor sees (s3a://, hdfs://).
             root = os.environ.get("ORDERS_SPARK_PATH")

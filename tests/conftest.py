@@ -27,6 +27,17 @@ def queue_size(monkeypatch: pytest.MonkeyPatch) -> int:
 
 
 @pytest.fixture(autouse=True)
+def _cohort_settle_off_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    In-process tests add every watcher in one loop turn, so the producer need not wait for late
+    ones (``cohort_settle`` 3 s by default would add 3 s to every stream). Tests of the cohort set
+    it themselves; end-to-end tests run real triggerers on the real default.
+    """
+    if request.node.get_closest_marker("e2e") is None:
+        monkeypatch.setenv("AIRFLOW__SHARED_STREAM_PROVIDER__COHORT_SETTLE", "0")
+
+
+@pytest.fixture(autouse=True)
 def _no_leaked_flow_gates() -> Iterator[None]:
     """Every producer and watcher must give its flow gate back."""
     yield

@@ -34,7 +34,7 @@ import binascii
 import json
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
@@ -87,6 +87,19 @@ class StreamMessage:
 
     def __repr__(self) -> str:
         return f"StreamMessage(seq={self.seq}, message_id={self.envelope.get('message_id')!r})"
+
+
+class DeliveryLike(Protocol):
+    """
+    What the core needs of a broker payload (``advance``, batch mode): the broadcast message and
+    its delivery attempt. Each producer's delivery type adds what its broker needs to settle it.
+    """
+
+    @property
+    def message(self) -> StreamMessage: ...
+
+    @property
+    def delivery_attempt(self) -> int: ...
 
 
 # Strict RFC 8259 JSON (msgspec, an Airflow dependency): ~5x faster than ``json.loads`` on small

@@ -37,6 +37,8 @@ import asyncio
 from collections.abc import Hashable
 from typing import Final
 
+from airflow_shared_stream_provider._core.cohort import Cohort
+
 # Queued (not yet pulled) messages x watchers the gate allows; see the module docstring.
 BINDING_BUDGET: Final = 2_048
 MIN_WINDOW: Final = 64
@@ -72,6 +74,8 @@ class FlowGate:
         # Events fired by all watchers of the stream: a plain counter bumped per event (cheap);
         # the producer reports its growth to Stats once per advance batch.
         self.fired = 0
+        # Which watchers the producer waits for before its first receive (see _core/cohort.py).
+        self.cohort = Cohort()
 
     # -- producer side -------------------------------------------------------------------------
     @property

@@ -36,6 +36,7 @@ class StreamCounters:
     leases_lost: int = 0
     api_calls: int = 0
     stale_skipped: int = 0
+    batches: int = 0  # batch mode: raw events broadcast, each carrying up to batch_size messages
     _tags: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -2,24 +2,28 @@
 The base of every broker producer: flow control, dispositions, counters, lifecycle.
 
 A broker producer subclasses :class:`SharedStreamProducerBase` and writes three things:
-``open_stream`` (connect, receive, and for each message ``yield self.emit(...)``), ``_apply``
-(what COMMIT / DEAD_LETTER / REDELIVER / HOLD mean on its broker) and ``_close``.
-Everything else (the outcome -> disposition mapping, the poison cap, the credit that keeps watcher
-queues from overflowing, counters and metrics) is here, once.
+``_messages`` (connect, receive, and for each message yield ``(stream message, delivery)``),
+``_apply`` (what COMMIT / DEAD_LETTER / REDELIVER / HOLD mean on its broker) and ``_close``; and
+``lane_of`` if its broker has ordered lanes. Everything else (batch mode, the outcome ->
+disposition mapping, the poison cap, the credit that keeps watcher queues from overflowing,
+counters and metrics) is here, once.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
+from airflow_shared_stream_provider._core.batching import Batcher, MessageBatch, batched_stream
+from airflow_shared_stream_provider._core.cohort import cohort_limits, record_key
 from airflow_shared_stream_provider._core.dispositions import COMMIT_DECISION, Decision, Disposition, decide
-from airflow_shared_stream_provider._core.envelope import BrokerName, StreamMessage, build_envelope
+from airflow_shared_stream_provider._core.envelope import BrokerName, DeliveryLike, StreamMessage, build_envelope
 from airflow_shared_stream_provider._core.flow import FlowGate, gates
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 from airflow_shared_stream_provider._core.release import ENTRIES_PER_MESSAGE, DeferredRelease
@@ -27,16 +31,6 @@ from airflow_shared_stream_provider._core.settings import StreamSettings
 
 DEFAULT_QUEUE_SIZE = 1024
 DEFAULT_ACK_TIMEOUT = 300.0
-
-
-class DeliveryLike(Protocol):
-    """What ``advance`` needs of a broker payload: the broadcast message and its delivery attempt."""
-
-    @property
-    def message(self) -> StreamMessage: ...
-
-    @property
-    def delivery_attempt(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -68,19 +62,47 @@ class Decided(Generic[DeliveryT]):
         self.disposition: Disposition = decision.disposition
 
 
-def _with_recorded_failures(outcome: AdvanceOutcome, message: StreamMessage) -> AdvanceOutcome:
+def message_outcome(outcome: AdvanceOutcome, message: StreamMessage) -> AdvanceOutcome:
     """
-    Count watchers that stopped on this message (``on_filter_error="fail"``) as failed.
+    One message's outcome: the manager's counts for its raw event, corrected by what the watchers
+    recorded on the message itself.
 
-    The manager resolved them as acked when they unsubscribed while sitting on the message; they
-    recorded their failure on the shared message first, and it is moved back here.
+    * ``failures``: watchers that stopped on the message (``on_filter_error="fail"``). The manager
+      resolved them as acked when they unsubscribed while sitting on it; they count as failed.
+    * ``rejections``: watchers that rejected it. For a message broadcast alone the manager counted
+      them already (``reject_shared_stream_event``), unless the watcher could not reach the binding
+      window (``flush_after`` reads in a task of its own); in a batch the manager never sees a
+      per-message reject (it would reject the whole batch). Either way the recorded count is the
+      truth: at least that many watchers rejected, moved from acked.
     """
-    if not message.failures:
+    rejected = len(message.rejections) if message.rejections else 0
+    failed = len(message.failures) if message.failures else 0
+    if not rejected and not failed:
         return outcome
-    moved = min(len(message.failures), outcome.acked)
-    if not moved:
-        return outcome
-    return AdvanceOutcome(acked=outcome.acked - moved, failed=outcome.failed + moved, rejected=outcome.rejected)
+    extra_rejected = max(0, rejected - outcome.rejected)
+    acked = outcome.acked
+    moved_rejected = min(extra_rejected, acked)
+    acked -= moved_rejected
+    moved_failed = min(failed, acked)
+    acked -= moved_failed
+    return AdvanceOutcome(
+        acked=acked,
+        failed=outcome.failed + moved_failed,
+        rejected=outcome.rejected + moved_rejected,
+    )
+
+
+def expand_batches(batch: Sequence[AdvanceItem]) -> list[AdvanceItem]:
+    """Per-message items of an advance batch (batch mode): each message gets its raw event's outcome."""
+    items: list[AdvanceItem] = []
+    for item in batch:
+        payload = item.broker_payload
+        if isinstance(payload, MessageBatch):
+            outcome = item.outcome
+            items.extend(AdvanceItem(broker_payload=delivery, outcome=outcome) for delivery in payload.deliveries)
+        else:
+            items.append(item)
+    return items
 
 
 def triggerer_limits() -> tuple[int, float]:
@@ -125,11 +147,40 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         self._closed = False
         # Advanced batches, freed one message per message read (see _core/release.py).
         self.deferred = DeferredRelease(limit=held_release_limit(self.queue_size, settings.max_in_flight))
+        # Batch mode (see _core/batching.py): the gate counts batches; messages taken by the
+        # receive loop but not yet broadcast in a batch are ``_unbatched``.
+        self.batch_size = settings.batch_size
+        self.batching = settings.batch_size > 1
+        self._unbatched = 0
+        self._batches_in_flight = 0
 
     # -- for subclasses ------------------------------------------------------------------------
     @abc.abstractmethod
     def source_label(self) -> str:
         """Human-readable stream identity (topic list, queue URL, subscription path)."""
+
+    @abc.abstractmethod
+    def _messages(self) -> AsyncIterator[tuple[StreamMessage, Any]]:
+        """
+        Connect, wait for the cohort (:meth:`cohort_ready`), then receive forever: for each
+        message yield ``(stream message, delivery)``.
+
+        Take the message's seq (:meth:`stream_message` / :meth:`take_seq`) immediately before its
+        yield, ask for credit (:meth:`wait_for_credit`, :meth:`credit`) before each receive, and
+        call ``self.deferred.release_all()`` when a receive comes back empty.
+        """
+
+    def lane_of(self, broker_payload: Any) -> Hashable:
+        """The ordered lane of one delivery (partition, message group, session); None = one lane."""
+        return None
+
+    def batch_lane_of(self, broker_payload: Any) -> Hashable:
+        """
+        Which messages may share a batch (batch mode): those of one *ordered* lane. Brokers that
+        give each unordered message a lane of its own (so a slow one never holds back another)
+        override this to put all unordered messages in one batch lane.
+        """
+        return self.lane_of(broker_payload)
 
     @abc.abstractmethod
     async def _apply(self, decided: Sequence[Decided[DeliveryT]]) -> Sequence[Decided[DeliveryT]] | None:
@@ -150,14 +201,42 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         if self._gate is None:
             gate = gates.acquire(self.stream_key)
             gate.window = flow_window(self.queue_size)
-            gate.max_in_flight = self.settings.max_in_flight
+            # In batch mode the gate counts batches (what the watchers' queues hold).
+            gate.max_in_flight = -(-self.settings.max_in_flight // self.batch_size)
             self._fired_reported = gate.fired  # the gate may outlive an earlier producer
             self._gate = gate
         return self._gate
 
+    async def cohort_ready(self) -> None:
+        """
+        Wait, before the first receive, until every watcher of this stream has subscribed (see
+        _core/cohort.py): a message read earlier would be committed without the late ones.
+        """
+        cohort = self.gate.cohort
+        if cohort.formed:
+            return
+        settle, max_wait = cohort_limits()
+        await cohort.wait_ready(settle=settle, max_wait=max_wait, stream=self.source_label())
+        cohort.schedule_write(record_key(self.stream_key))
+
+    def credit(self) -> int:
+        """How many messages may be received now (the gate's credit; in batch mode, batches of them)."""
+        if not self.batching:
+            return self.gate.credit()
+        return max(0, self.gate.credit() * self.batch_size - self._unbatched)
+
     async def wait_for_credit(self) -> int:
-        """Wait until at least one message may be yielded; return how many may be."""
-        return await self.gate.wait_for_credit()
+        """Wait until at least one message may be received; return how many may be."""
+        if not self.batching:
+            return await self.gate.wait_for_credit()
+        while True:
+            await self.gate.wait_for_credit()
+            available = self.credit()
+            if available > 0:
+                return available
+            # Credit for whole batches, all taken by messages still forming batches: they are
+            # broadcast within batch_timeout, and the gate's credit moves only when batches are.
+            await asyncio.sleep(min(0.05, self.settings.batch_timeout or 0.05))
 
     def envelope(
         self,
@@ -198,10 +277,41 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         """
         self._in_flight += 1
         self.deferred.release_some()
+        if self.batching:
+            self._unbatched += 1
+            return 0  # the batch takes the seq when it is broadcast (_on_batch)
         return self.gate.next_seq()
+
+    # -- the stream ----------------------------------------------------------------------------
+    def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
+        """The broker's messages, one raw event each, or in batches when ``batch_size > 1``."""
+        if not self.batching:
+            return self._messages()
+        batcher = Batcher(
+            batch_size=self.batch_size,
+            batch_timeout=self.settings.batch_timeout,
+            max_payload_bytes=self.settings.max_payload_bytes,
+            lane_of=self.batch_lane_of,
+        )
+        return batched_stream(self._messages(), batcher, on_batch=self._on_batch)
+
+    def _on_batch(self, batch: MessageBatch) -> None:
+        """A batch is broadcast now (called right before its yield): it takes one seq of the gate."""
+        self._unbatched -= len(batch)
+        self._batches_in_flight += 1
+        batch.seq = self.gate.next_seq()
+        self.counters.add("batches")
+
+    def get_advance_lane(self, broker_payload: Any) -> Hashable:
+        if isinstance(broker_payload, MessageBatch):
+            return broker_payload.lane
+        return self.lane_of(broker_payload)
 
     # -- SharedStreamProducer ------------------------------------------------------------------
     async def advance(self, batch: Sequence[AdvanceItem]) -> None:
+        raw_events = len(batch)
+        if self.batching:
+            batch = expand_batches(batch)
         max_attempts = self.settings.max_delivery_attempts
         decided: list[Decided[DeliveryT]] = []
         clean = 0
@@ -211,12 +321,18 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             outcome = item.outcome
             # Fast path, almost every message: every watcher acked it and none recorded a failure.
             # Same result as decide() (tests/unit/test_dispositions.py), without its calls per message.
-            if outcome.acked and not outcome.failed and not outcome.rejected and message.failures is None:
+            if (
+                outcome.acked
+                and not outcome.failed
+                and not outcome.rejected
+                and message.failures is None
+                and message.rejections is None
+            ):
                 decided.append(Decided(delivery, COMMIT_DECISION))
                 clean += 1
                 continue
             decision = decide(
-                _with_recorded_failures(outcome, message),
+                message_outcome(outcome, message),
                 delivery_attempt=delivery.delivery_attempt,
                 max_delivery_attempts=max_attempts,
                 rejections=message.rejections,
@@ -227,7 +343,9 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         finally:
             # Whatever _apply did, these messages left the manager: give the credit back.
             self._in_flight -= len(batch)
-            self.gate.advanced(len(batch))
+            if self.batching:
+                self._batches_in_flight -= raw_events
+            self.gate.advanced(raw_events)
         if applied is not None and len(applied) != len(decided):
             raise RuntimeError(f"{type(self).__name__}._apply returned {len(applied)} results for {len(decided)}")
         if applied is None and clean == len(decided):
@@ -291,6 +409,6 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             if gate is not None:
                 # Messages still in flight are abandoned to broker redelivery; discharge them so
                 # a later producer on the same gate starts with full credit.
-                gate.advanced(self._in_flight)
-                self._in_flight = 0
+                gate.advanced(self._batches_in_flight if self.batching else self._in_flight)
+                self._in_flight = self._batches_in_flight = self._unbatched = 0
                 gates.release(self.stream_key, gate)

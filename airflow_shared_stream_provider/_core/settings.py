@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Hashable, Mapping
 from typing import Any, ClassVar
 
+from airflow_shared_stream_provider._core.batching import DEFAULT_BATCH_TIMEOUT, MAX_BATCH_SIZE
 from airflow_shared_stream_provider._core.dispositions import DEFAULT_MAX_DELIVERY_ATTEMPTS
 from airflow_shared_stream_provider._core.envelope import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -44,6 +45,10 @@ class StreamSettings:
     oversize_policy: OversizePolicy = "dead_letter"
     max_delivery_attempts: int | None = DEFAULT_MAX_DELIVERY_ATTEMPTS
     max_in_flight: int = 10_000
+    # Batch mode (see _core/batching.py): a producer setting, because the batch is the raw event
+    # every watcher's event is bound to; 1 keeps one envelope per asset event.
+    batch_size: int = 1
+    batch_timeout: float = DEFAULT_BATCH_TIMEOUT
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_payload_bytes, int) or self.max_payload_bytes < 1024:
@@ -60,6 +65,10 @@ class StreamSettings:
             )
         if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
             raise SharedStreamConfigError(f"max_in_flight must be a positive int, got {self.max_in_flight!r}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
+            raise SharedStreamConfigError(f"batch_size must be an int, got {self.batch_size!r}")
+        self.require_number("batch_size", self.batch_size, minimum=1, maximum=MAX_BATCH_SIZE)
+        self.require_number("batch_timeout", self.batch_timeout, minimum=0, maximum=60)
 
     def key(self) -> tuple[Hashable, ...]:
         """Every field, in declaration order, as a hashable tuple of ``(name, value)``."""

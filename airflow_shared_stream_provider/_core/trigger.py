@@ -27,14 +27,18 @@ What each watcher does with a message (``filter_shared_stream``), in order:
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Hashable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final, TypedDict
 
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow.triggers.shared_stream import reject_shared_stream_event
 
-from airflow_shared_stream_provider._core.envelope import StreamMessage
+from airflow_shared_stream_provider._core.batching import MessageBatch
+from airflow_shared_stream_provider._core.cohort import identity_of, record_key, stores_of
+from airflow_shared_stream_provider._core.envelope import OversizePolicy, StreamMessage
 from airflow_shared_stream_provider._core.errors import RejectMessage, SharedStreamConfigError
 from airflow_shared_stream_provider._core.filtering import (
     FILTER_ERROR_POLICIES,
@@ -43,7 +47,7 @@ from airflow_shared_stream_provider._core.filtering import (
     validate_filter_function,
     validate_match,
 )
-from airflow_shared_stream_provider._core.flow import gates
+from airflow_shared_stream_provider._core.flow import FlowGate, gates
 from airflow_shared_stream_provider._core.settings import StreamSettings
 
 if TYPE_CHECKING:
@@ -52,6 +56,42 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KEY_NAMESPACE = "airflow-shared-stream-provider"
+FLUSH_MARKER: Final = "flush"
+
+
+class SharedStreamOptions(TypedDict, total=False):
+    """
+    The options every broker trigger takes besides its own (typed once, here).
+
+    Watcher side (not in the stream key; siblings may differ):
+
+    * ``match``: filter on envelope paths, e.g. ``{"body.region": ["eu", "uk"]}``.
+    * ``filter_function``: dotted path of ``f(envelope) -> bool`` (may raise ``RejectMessage``).
+    * ``on_filter_error``: what a filter exception does: ``reject`` (default), ``skip``, ``fail``.
+    * ``flush_after``: seconds; emit one ``{"marker": "flush"}`` event once this watcher has fired
+      and then stayed quiet that long (Airflow 3.3's stranded tail; default None = off).
+
+    Producer side (part of ``shared_stream_key``: siblings that differ get separate streams):
+
+    * ``max_payload_bytes``: cap of one event payload stored in the metadata DB (default 65536).
+    * ``oversize_policy``: ``dead_letter`` (default) or ``truncate`` for larger messages.
+    * ``max_delivery_attempts``: poison cap (default 5, None = off).
+    * ``max_in_flight``: most messages received but not yet advanced (default 10000).
+    * ``batch_size``: most messages in one asset event (default 1: one envelope per event; more:
+      payload ``{"messages": [...]}``, see docs/envelope.md).
+    * ``batch_timeout``: seconds a partly filled batch waits for more messages (default 0.5).
+    """
+
+    match: Mapping[str, Any] | None
+    filter_function: str | None
+    on_filter_error: FilterErrorPolicy
+    flush_after: float | None
+    max_payload_bytes: int
+    oversize_policy: OversizePolicy
+    max_delivery_attempts: int | None
+    max_in_flight: int
+    batch_size: int
+    batch_timeout: float
 
 
 class SharedStreamTrigger(BaseEventTrigger):
@@ -59,9 +99,12 @@ class SharedStreamTrigger(BaseEventTrigger):
     Base class: holds the producer settings and the watcher's filter; implements the shared path.
 
     Subclasses set :attr:`settings_class` and :attr:`producer_class_path` and define a typed
-    ``__init__`` that builds the settings. Users may subclass a broker trigger and override
-    :meth:`accept` or :meth:`make_event`; the subclass serializes under its own class path and,
-    having the same settings, shares the stream with its siblings.
+    ``__init__`` taking their broker's own arguments plus ``**options:
+    Unpack[SharedStreamOptions]``, and pass everything on to this one: the arguments that are
+    fields of :attr:`settings_class` build the settings, the rest are the watcher's. Users may
+    subclass a broker trigger and override :meth:`accept`, :meth:`make_event` or
+    :meth:`make_batch_event`; the subclass serializes under its own class path and, having the same
+    settings, shares the stream with its siblings.
     """
 
     settings_class: ClassVar[type[StreamSettings]]
@@ -70,27 +113,40 @@ class SharedStreamTrigger(BaseEventTrigger):
     def __init__(
         self,
         *,
-        settings: StreamSettings,
         match: Mapping[str, Any] | None = None,
         filter_function: str | None = None,
         on_filter_error: FilterErrorPolicy = "reject",
+        flush_after: float | None = None,
+        **settings_fields: Any,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         if on_filter_error not in FILTER_ERROR_POLICIES:
             raise SharedStreamConfigError(
                 f"on_filter_error must be one of {FILTER_ERROR_POLICIES}, got {on_filter_error!r}"
             )
-        self.settings = settings
+        if flush_after is not None:
+            StreamSettings.require_number("flush_after", flush_after, minimum=0.1, maximum=86_400)
+        try:
+            self.settings = self.settings_class(**settings_fields)
+        except TypeError as exc:  # an unknown keyword: say which trigger refused it
+            raise TypeError(f"{type(self).__name__}: {exc}") from exc
         self.match = validate_match(match)
         self.filter_function = validate_filter_function(filter_function)
         self.on_filter_error: FilterErrorPolicy = on_filter_error
+        self.flush_after = flush_after
         self._filter = MessageFilter(self.match, self.filter_function)
+        # flush_after: when this watcher last fired (monotonic) and on which message; None = no
+        # marker is due (never fired, or the marker for the last burst was emitted).
+        self._last_fired_at: float | None = None
+        self._last_fired_id: str | None = None
 
     # -- identity ------------------------------------------------------------------------------
     def serialize(self) -> tuple[str, dict[str, Any]]:
         cls = type(self)
         kwargs = self.settings.to_kwargs()
         kwargs.update(match=self.match, filter_function=self.filter_function, on_filter_error=self.on_filter_error)
+        if self.flush_after is not None:  # omitted when off: older serialized kwargs stay equal
+            kwargs["flush_after"] = self.flush_after
         return f"{cls.__module__}.{cls.__qualname__}", kwargs
 
     def shared_stream_key(self) -> Hashable:
@@ -112,6 +168,21 @@ class SharedStreamTrigger(BaseEventTrigger):
         """Build the TriggerEvent for an accepted message; its payload becomes the asset event extra."""
         return TriggerEvent(envelope)  # type: ignore[no-untyped-call]
 
+    def make_batch_event(self, envelopes: list[dict[str, Any]]) -> TriggerEvent:
+        """Build the one TriggerEvent of a batch (batch mode): the accepted envelopes, in lane order."""
+        return TriggerEvent({"messages": envelopes})  # type: ignore[no-untyped-call]
+
+    def make_flush_marker(self, last_message_id: str | None) -> TriggerEvent:
+        """The ``flush_after`` marker: no message, only what a consumer needs to recognise and skip it."""
+        return TriggerEvent(  # type: ignore[no-untyped-call]
+            {
+                "marker": FLUSH_MARKER,
+                "broker": self.settings.broker,
+                "after_message_id": last_message_id,
+                "quiet_seconds": self.flush_after,
+            }
+        )
+
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         key = self.shared_stream_key()
         # Registration happens before the first await, i.e. atomically with the manager's
@@ -119,41 +190,157 @@ class SharedStreamTrigger(BaseEventTrigger):
         gate = gates.acquire(key)
         token = id(self)
         gate.register(token)
+        stores = stores_of(self.asset_state_store)
+        gate.cohort.join(
+            token, identity_of([name for name, _ in stores], self._watcher_spec()), stores, record_key(key)
+        )
         try:
-            async for message in shared_stream:
-                if not isinstance(message, StreamMessage):
-                    raise TypeError(f"{type(self).__name__} expects StreamMessage raw events, got {type(message)!r}")
-                gate.consumed(token, message.seq)
-                if message.forced_rejection is not None:
-                    self._reject(message, message.forced_rejection)
-                    continue
-                try:
-                    fire = self.accept(message.envelope)
-                except RejectMessage as exc:
-                    self._reject(message, exc.reason)
-                    continue
-                except Exception as exc:
-                    if self.on_filter_error == "fail":
-                        message.fail(f"filter raised {type(exc).__name__}: {exc}")
-                        raise
-                    log.exception(
-                        "Filter raised on message %s (on_filter_error=%s)",
-                        message.envelope.get("message_id"),
-                        self.on_filter_error,
-                    )
-                    if self.on_filter_error == "reject":
-                        self._reject(message, f"filter raised {type(exc).__name__}: {exc}")
-                    continue
-                if fire:
-                    gate.fired += 1
-                    yield self.make_event(message.envelope)
+            raw_events = shared_stream if self.flush_after is None else self._with_flush_markers(shared_stream)
+            async for raw in raw_events:
+                if isinstance(raw, StreamMessage):
+                    gate.consumed(token, raw.seq)
+                    event = self._filter_one(raw)
+                    if event is not None:
+                        yield self._fired(event, gate)
+                elif isinstance(raw, MessageBatch):
+                    gate.consumed(token, raw.seq)
+                    event = self._filter_batch(raw)
+                    if event is not None:
+                        yield self._fired(event, gate)
+                elif isinstance(raw, TriggerEvent):  # a flush marker from _with_flush_markers
+                    yield raw
+                else:
+                    raise TypeError(f"{type(self).__name__} expects StreamMessage raw events, got {type(raw)!r}")
         finally:
+            gate.cohort.leave(token)
             gate.unregister(token)
             gates.release(key, gate)
+
+    def _watcher_spec(self) -> dict[str, Any]:
+        """What tells two watchers of one stream apart, besides their assets (cohort identity)."""
+        cls = type(self)
+        return {
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "match": self.match,
+            "filter_function": self.filter_function,
+            "on_filter_error": self.on_filter_error,
+            "flush_after": self.flush_after,
+        }
+
+    def _filter_one(self, message: StreamMessage) -> TriggerEvent | None:
+        """One message, one raw event: reject through the manager too (its window is open)."""
+        if message.forced_rejection is not None:
+            self._reject(message, message.forced_rejection)
+            return None
+        try:
+            fire = self.accept(message.envelope)
+        except RejectMessage as exc:
+            self._reject(message, exc.reason)
+            return None
+        except Exception as exc:
+            if self._on_filter_exception(message, exc):
+                self._reject(message, f"filter raised {type(exc).__name__}: {exc}")
+            return None
+        return self.make_event(message.envelope) if fire else None
+
+    def _filter_batch(self, batch: MessageBatch) -> TriggerEvent | None:
+        """
+        A batch: each message decided on its own and the decision recorded on it; no call to
+        ``reject_shared_stream_event`` (it would reject the whole batch): the producer reads the
+        rejections off each message.
+        """
+        accepted: list[dict[str, Any]] = []
+        messages = batch.messages
+        for index, message in enumerate(messages):
+            if message.forced_rejection is not None:
+                message.reject(message.forced_rejection)
+                continue
+            try:
+                fire = self.accept(message.envelope)
+            except RejectMessage as exc:
+                message.reject(exc.reason)
+                continue
+            except Exception as exc:
+                if self.on_filter_error == "fail":
+                    # This watcher leaves now: the events of the messages it accepted before are
+                    # never yielded, and it never sees the ones after. All must come back.
+                    error = f"filter raised {type(exc).__name__}: {exc}"
+                    for other in messages[:index] + messages[index + 1 :]:
+                        other.fail(f"watcher stopped on {message.envelope.get('message_id')!r} in the same batch")
+                    message.fail(error)
+                    raise
+                if self._on_filter_exception(message, exc):
+                    message.reject(f"filter raised {type(exc).__name__}: {exc}")
+                continue
+            if fire:
+                accepted.append(message.envelope)
+        return self.make_batch_event(accepted) if accepted else None
+
+    def _on_filter_exception(self, message: StreamMessage, exc: Exception) -> bool:
+        """Apply ``on_filter_error`` to a filter exception; True means: reject the message."""
+        if self.on_filter_error == "fail":
+            message.fail(f"filter raised {type(exc).__name__}: {exc}")
+            raise exc
+        log.exception(
+            "Filter raised on message %s (on_filter_error=%s)",
+            message.envelope.get("message_id"),
+            self.on_filter_error,
+        )
+        return self.on_filter_error == "reject"
 
     def _reject(self, message: StreamMessage, reason: str) -> None:
         message.reject(reason)
         reject_shared_stream_event()
+
+    async def _with_flush_markers(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """
+        The raw events, plus one flush marker (a :class:`TriggerEvent`) whenever this watcher has
+        fired and then fired nothing for ``flush_after`` seconds.
+
+        The next raw event is awaited in a task of its own, left pending across a timeout (never
+        cancelled: cancelling would end the manager's stream). So the manager opens a raw event's
+        binding window in that task's context, where ``reject_shared_stream_event`` cannot see it;
+        that is fine, because the producer decides every message from the rejections recorded on
+        it (see ``SharedStreamProducerBase.advance``), not from the manager's counts alone.
+        """
+        assert self.flush_after is not None
+        quiet = self.flush_after
+        iterator = aiter(shared_stream)
+        pending: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(iterator))
+                fired_at = self._last_fired_at
+                timeout = None if fired_at is None else max(0.0, fired_at + quiet - time.monotonic())
+                done, _ = await asyncio.wait({pending}, timeout=timeout)
+                if not done:
+                    # Quiet for flush_after since this watcher last fired: one marker, then no timer
+                    # until the watcher fires again.
+                    self._last_fired_at = None
+                    yield self.make_flush_marker(self._last_fired_id)
+                    continue
+                task, pending = pending, None
+                try:
+                    raw = task.result()
+                except StopAsyncIteration:
+                    return
+                yield raw
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+
+    def _fired(self, event: TriggerEvent, gate: FlowGate) -> TriggerEvent:
+        """Bookkeeping of every event this watcher yields (counter; ``flush_after`` clock)."""
+        gate.fired += 1
+        if self.flush_after is not None:
+            self._last_fired_at = time.monotonic()
+            payload = event.payload
+            if isinstance(payload, Mapping):
+                messages = payload.get("messages")
+                last = messages[-1] if isinstance(messages, list) and messages else payload
+                self._last_fired_id = last.get("message_id") if isinstance(last, Mapping) else None
+        return event
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """

@@ -33,12 +33,21 @@ crash / restart     nothing uncommitted is lost: the group resumes from the last
 Flow control: when watchers have no credit left, every assigned partition is paused and the
 consumer keeps polling (empty fetches), so it stays in the group while ``max.poll.interval.ms`` runs
 and resumes as soon as credit returns.
+
+Consumer group: the trigger's ``group_id``, else the connection's ``group.id``, else
+``airflow-shared-stream.<conn>.<topics>``; resolved when the stream opens, because the connection
+is read in the triggerer (a changed ``group.id`` takes effect when the stream restarts). Each
+producer claims its group in :data:`group_claims` for as long as it runs: two streams of one
+triggerer in one group on overlapping topics would split the partitions between them, each
+believing the other's partitions were lost, so the second one fails instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
@@ -58,12 +67,18 @@ from airflow_shared_stream_provider._core.errors import (
     missing_dependency,
 )
 from airflow_shared_stream_provider._core.producer import Decided, SharedStreamProducerBase
-from airflow_shared_stream_provider.producers.kafka_config import KafkaClientConfig, kafka_client_config
+from airflow_shared_stream_provider.producers.kafka_config import (
+    KafkaClientConfig,
+    ResolvedGroup,
+    kafka_client_config,
+)
 from airflow_shared_stream_provider.producers.kafka_lanes import Lane
 from airflow_shared_stream_provider.triggers.kafka import KafkaStreamSettings
 
 try:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+    from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+    from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
     from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaConnectionError, KafkaError
     from aiokafka.helpers import create_ssl_context
     from aiokafka.structs import OffsetAndMetadata
@@ -71,6 +86,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise missing_dependency("kafka", "aiokafka", exc) from exc
 
 _epochs = itertools.count(1)
+_log = logging.getLogger(__name__)
 
 
 class KafkaMessage(StreamMessage):
@@ -124,6 +140,118 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._producer._on_assigned(set(assigned))
 
 
+def bootstrap_addresses(bootstrap_servers: str) -> frozenset[str]:
+    """``"B1:9092, b2:9092"`` -> ``{"b1:9092", "b2:9092"}``: what identifies a cluster here."""
+    return frozenset(part.strip().lower() for part in bootstrap_servers.split(",") if part.strip())
+
+
+@dataclasses.dataclass(eq=False)
+class GroupClaim:
+    """One running producer's use of a consumer group (compared by identity: one per producer)."""
+
+    group: ResolvedGroup
+    stream_key: Hashable
+    settings: KafkaStreamSettings
+    bootstrap: frozenset[str]
+    released: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    def describe(self) -> str:
+        return f"topics {','.join(self.settings.topics)} on connection {self.settings.kafka_config_id!r}"
+
+
+class ConsumerGroupClaims:
+    """
+    Process-wide: consumer group -> the shared streams of this triggerer consuming through it.
+
+    Invariant: two claims of one group on overlapping topics of one cluster (bootstrap addresses
+    in common) always belong to the same shared-stream key. Two producers of one key overlap only
+    while a restarted group's new producer starts before the old one finished closing (the manager
+    evicts a stopping group before closing its producer); that handover is allowed. Streams with
+    different keys would be two members splitting the partitions for good; the later one waits
+    ``handover_grace`` seconds for the other to go away (a Dag change replaces a stream's
+    settings: the new stream may start before the old one closed), then fails.
+
+    Claims on disjoint topics may share a group (Kafka assigns each member only the partitions of
+    the topics it subscribed to). Only this process is covered: the same group on another
+    triggerer is caught by the partial-assignment check.
+
+    Single event loop, like the manager: ``claim`` checks and records without an ``await`` in
+    between, so two producers starting together cannot both pass the check.
+    """
+
+    def __init__(self, handover_grace: float = 10.0) -> None:
+        self.handover_grace = handover_grace
+        self._claims: dict[str, list[GroupClaim]] = {}
+
+    def holders(self, group_id: str) -> tuple[GroupClaim, ...]:
+        return tuple(self._claims.get(group_id, ()))
+
+    def _conflict(self, claim: GroupClaim) -> GroupClaim | None:
+        topics = set(claim.settings.topics)
+        for other in self._claims.get(claim.group.group_id, ()):
+            if other.stream_key == claim.stream_key:
+                continue  # a restarted group of the same stream: its old producer is closing
+            if topics & set(other.settings.topics) and claim.bootstrap & other.bootstrap:
+                return other
+        return None
+
+    async def claim(self, claim: GroupClaim) -> None:
+        """Record ``claim``; raise :class:`SharedStreamConfigError` while another stream holds its group."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.handover_grace
+        while True:
+            other = self._conflict(claim)
+            if other is None:
+                self._claims.setdefault(claim.group.group_id, []).append(claim)
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise SharedStreamConfigError(_conflict_message(claim, other))
+            _log.info(
+                "Kafka shared stream [%s] waits up to %.1fs for stream [%s] to release consumer group %r",
+                claim.describe(),
+                remaining,
+                other.describe(),
+                claim.group.group_id,
+            )
+            try:
+                await asyncio.wait_for(other.released.wait(), timeout=remaining)
+            except TimeoutError:
+                continue  # re-checked once more, then the deadline has passed
+
+    def release(self, claim: GroupClaim) -> None:
+        """Forget ``claim`` (a no-op when it was never recorded, e.g. it lost a conflict)."""
+        claims = self._claims.get(claim.group.group_id)
+        if claims is not None:
+            remaining = [c for c in claims if c is not claim]
+            if remaining:
+                self._claims[claim.group.group_id] = remaining
+            else:
+                del self._claims[claim.group.group_id]
+        claim.released.set()
+
+
+def _conflict_message(claim: GroupClaim, other: GroupClaim) -> str:
+    shared = sorted(set(claim.settings.topics) & set(other.settings.topics))
+    differences = [
+        f"{f.name}={getattr(claim.settings, f.name)!r} vs {getattr(other.settings, f.name)!r}"
+        for f in dataclasses.fields(claim.settings)
+        if getattr(claim.settings, f.name) != getattr(other.settings, f.name)
+    ]
+    return (
+        f"Kafka shared stream [{claim.describe()}] would consume as group {claim.group.group_id!r} "
+        f"({claim.group.origin()}), which shared stream [{other.describe()}] of this triggerer already "
+        f"uses ({other.group.origin()}) on the topics {shared}. Two members of one group split the "
+        "partitions, and each stream would see only part of the topic. The streams differ in "
+        f"{'; '.join(differences) or 'nothing but their keys'}: make their producer settings equal so "
+        "they share one consumer, or give one of them its own group_id. Stream keys: "
+        f"{claim.stream_key!r} and {other.stream_key!r}."
+    )
+
+
+group_claims = ConsumerGroupClaims()
+
+
 class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, KafkaMessage]):
     """The broker side of :class:`~airflow_shared_stream_provider.triggers.kafka.KafkaSharedStreamTrigger`."""
 
@@ -131,8 +259,8 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
 
     def __init__(self, settings: KafkaStreamSettings, *, stream_key: Hashable) -> None:
         super().__init__(settings, stream_key=stream_key)
-        self.group_id = settings.effective_group_id()
         self._consumer: AIOKafkaConsumer | None = None
+        self._group_claim: GroupClaim | None = None
         self._dlq: AIOKafkaProducer | None = None
         self._config: KafkaClientConfig | None = None
         self._lanes: dict[TopicPartition, Lane] = {}
@@ -145,6 +273,13 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
     def source_label(self) -> str:
         return ",".join(self.settings.topics)
 
+    @property
+    def group_id(self) -> str:
+        """The consumer group, resolved when the stream opens (it may come from the connection)."""
+        if self._config is None:
+            raise BrokerHandleClosedError(f"Kafka shared stream {self.source_label()}: the stream is not open yet")
+        return self._config.group.group_id
+
     # -- connection ----------------------------------------------------------------------------
     async def _load_config(self) -> KafkaClientConfig:
         from airflow.sdk import BaseHook
@@ -154,7 +289,14 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             connection = await BaseHook.aget_connection(conn_id)
         except Exception as exc:
             raise SharedStreamConfigError(f"Kafka connection {conn_id!r} could not be read: {exc}") from exc
-        return kafka_client_config(conn_id, connection.extra_dejson, group_id=self.group_id)
+        # effective_group_id() is the trigger's group_id when set (which wins over the connection's
+        # group.id anyway), else the derived name: the last resort.
+        return kafka_client_config(
+            conn_id,
+            connection.extra_dejson,
+            trigger_group_id=self.settings.group_id,
+            derived_group_id=self.settings.effective_group_id(),
+        )
 
     def _ssl_context(self, config: KafkaClientConfig) -> Any:
         if not config.consumer["security_protocol"].endswith("SSL"):
@@ -165,13 +307,33 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
 
     async def _start_consumer(self) -> AIOKafkaConsumer:
         config = self._config = await self._load_config()
+        claim = GroupClaim(
+            group=config.group,
+            stream_key=self.stream_key,
+            settings=self.settings,
+            bootstrap=bootstrap_addresses(config.consumer["bootstrap_servers"]),
+        )
+        # Recorded before claiming: _close releases it even when the claim lost (a no-op then).
+        self._group_claim = claim
+        await group_claims.claim(claim)
         self.log.info(
-            "Opening Kafka shared stream %s for group %s: %s", self.source_label(), self.group_id, config.redacted()
+            "Opening Kafka shared stream %s for group %s (%s): %s",
+            self.source_label(),
+            config.group.group_id,
+            config.group.origin(),
+            config.redacted(),
         )
         consumer = AIOKafkaConsumer(
             **config.consumer,
             enable_auto_commit=False,
             ssl_context=self._ssl_context(config),
+            # aiokafka offers only roundrobin by default; librdkafka (the upstream provider's
+            # client) offers range first. A broker that keeps a group's protocol after its last
+            # member left (Tansu does) then refuses a roundrobin-only join with
+            # InconsistentGroupProtocol: offering both lets a migrated group be joined. A stream is
+            # meant to be the only member of its group on its topics (group_claims, the
+            # partial-assignment check), so which assignor wins changes nothing.
+            partition_assignment_strategy=(RoundRobinPartitionAssignor, RangePartitionAssignor),
         )
         consumer.subscribe(topics=list(self.settings.topics), listener=_Rebalance(self))
         try:
@@ -254,8 +416,9 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             self.log.error(message)
 
     # -- the stream ----------------------------------------------------------------------------
-    async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
+    async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
         consumer = await self._start_consumer()
+        await self.cohort_ready()
         poll_ms = int(self.settings.poll_timeout * 1000)
         group_id = self.group_id
         max_payload_bytes = self.settings.max_payload_bytes
@@ -333,7 +496,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         ``max.poll.interval.ms`` runs. Pausing is not the fast path because aiokafka drops the
         prefetched records of a paused partition and must fetch them again on resume.
         """
-        credit = self.gate.credit()
+        credit = self.credit()
         if credit == 0:
             try:
                 credit = await asyncio.wait_for(self.wait_for_credit(), timeout=self.settings.poll_timeout)
@@ -348,7 +511,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             self._paused = False
         return credit
 
-    def get_advance_lane(self, broker_payload: KafkaMessage) -> Hashable:
+    def lane_of(self, broker_payload: KafkaMessage) -> Hashable:
         tp: Hashable = broker_payload.tp
         return tp
 
@@ -460,6 +623,18 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         return self._dlq
 
     async def _close(self) -> None:
+        try:
+            await self._close_clients()
+        finally:
+            self._lanes.clear()
+            # Released once the consumer left the group (so a stream waiting for the group never
+            # overlaps with this member), and also when closing failed: a claim that outlived
+            # its producer would refuse the group to every other stream of this process.
+            claim, self._group_claim = self._group_claim, None
+            if claim is not None:
+                group_claims.release(claim)
+
+    async def _close_clients(self) -> None:
         for handle in self._timers:
             handle.cancel()
         self._timers.clear()
@@ -475,4 +650,3 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 await consumer.stop()
             except KafkaError:
                 self.log.warning("Closing the Kafka consumer failed", exc_info=True)
-        self._lanes.clear()

@@ -8,13 +8,17 @@ instead of declaring the connection type (the upstream provider owns it).
 Every supported key is in :data:`_CONSUMER_KEYS`; keys that only matter to librdkafka's own
 internals and are harmless here are in :data:`_IGNORED_KEYS`; anything else is an error naming the
 key, so a typo in a security setting can never silently fall back to plaintext.
+
+The consumer group is resolved here too (:func:`resolve_group`): the trigger's ``group_id``, else the
+connection's ``group.id`` (the upstream provider requires one, so a user moving over keeps their group
+and its committed offsets), else the name derived from connection and topics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 
@@ -88,12 +92,55 @@ _OFFSET_RESETS = ("earliest", "latest", "none")
 _SECRET_HINTS = ("password", "secret", "token")
 
 
+GroupSource = Literal["trigger", "connection", "derived"]
+
+
+@dataclass(frozen=True)
+class ResolvedGroup:
+    """The consumer group a stream uses, and which of the three sources it came from."""
+
+    group_id: str
+    source: GroupSource
+    conn_id: str
+
+    def origin(self) -> str:
+        """Where the group came from, for logs and errors."""
+        if self.source == "trigger":
+            return "the trigger's group_id"
+        if self.source == "connection":
+            return f"group.id of connection {self.conn_id!r}"
+        return f"derived: no group_id on the trigger, no group.id in connection {self.conn_id!r}"
+
+
+def resolve_group(
+    conn_id: str, connection_group_id: str | None, *, trigger_group_id: str | None, derived_group_id: str
+) -> ResolvedGroup:
+    """
+    Precedence: the trigger's ``group_id`` > the connection's ``group.id`` > ``derived_group_id``.
+
+    The connection's value matters because the upstream provider requires ``group.id`` in the very
+    same connection: ignoring it would put a migrating user in a new group, which re-reads the
+    topic (``auto.offset.reset=earliest``) or is refused by group ACLs. A blank ``group.id`` that
+    would be used is an error, not a silent fall-back to the derived group.
+    """
+    if trigger_group_id:
+        return ResolvedGroup(trigger_group_id, "trigger", conn_id)
+    if connection_group_id is not None:
+        if not connection_group_id:
+            raise SharedStreamConfigError(
+                f"connection {conn_id!r} sets an empty group.id; set a group name or remove the key"
+            )
+        return ResolvedGroup(connection_group_id, "connection", conn_id)
+    return ResolvedGroup(derived_group_id, "derived", conn_id)
+
+
 @dataclass
 class KafkaClientConfig:
     """aiokafka kwargs for the consumer, and the subset (security + bootstrap) for the DLQ producer."""
 
     consumer: dict[str, Any]
     common: dict[str, Any]
+    group: ResolvedGroup
     ssl: dict[str, Any] = field(default_factory=dict)
     check_hostname: bool = True
 
@@ -102,9 +149,11 @@ class KafkaClientConfig:
         return {k: ("***" if any(h in k for h in _SECRET_HINTS) else v) for k, v in self.consumer.items()}
 
 
-def kafka_client_config(conn_id: str, extras: Mapping[str, Any], *, group_id: str) -> KafkaClientConfig:
+def kafka_client_config(
+    conn_id: str, extras: Mapping[str, Any], *, trigger_group_id: str | None, derived_group_id: str
+) -> KafkaClientConfig:
     """
-    Translate one connection's extras. ``group_id`` (the trigger's) overrides ``group.id``.
+    Translate one connection's extras; the consumer's ``group_id`` is :func:`resolve_group`'s.
 
     Refuses ``enable.auto.commit=true``: the shared stream commits offsets only after the derived
     events are persisted; auto-commit would commit on its own schedule and lose messages on a
@@ -166,7 +215,15 @@ def kafka_client_config(conn_id: str, extras: Mapping[str, Any], *, group_id: st
     reset = consumer.setdefault("auto_offset_reset", "earliest")
     if reset not in _OFFSET_RESETS:
         raise SharedStreamConfigError(f"connection {conn_id!r}: auto.offset.reset {reset!r} not in {_OFFSET_RESETS}")
-    consumer["group_id"] = group_id
+    # group.id went through _text like every key; it is popped and put back resolved, so the consumer
+    # never sees a group other than the one logged and claimed by the producer.
+    group = resolve_group(
+        conn_id,
+        consumer.pop("group_id", None),
+        trigger_group_id=trigger_group_id,
+        derived_group_id=derived_group_id,
+    )
+    consumer["group_id"] = group.group_id
     common_keys = (
         "bootstrap_servers",
         "client_id",
@@ -182,4 +239,4 @@ def kafka_client_config(conn_id: str, extras: Mapping[str, Any], *, group_id: st
         "connections_max_idle_ms",
     )
     common = {k: consumer[k] for k in common_keys if k in consumer}
-    return KafkaClientConfig(consumer=consumer, common=common, ssl=ssl, check_hostname=check_hostname)
+    return KafkaClientConfig(consumer=consumer, common=common, group=group, ssl=ssl, check_hostname=check_hostname)

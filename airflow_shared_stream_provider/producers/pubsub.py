@@ -56,24 +56,25 @@ group terminates (every watcher sees the error, unacked messages are redelivered
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import os
+import functools
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Hashable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
+from airflow_shared_stream_provider import SharedStreamConfigError
+from airflow_shared_stream_provider._core.ack_buffer import AckBuffer
+from airflow_shared_stream_provider._core.attempts import MessageCounts
+from airflow_shared_stream_provider._core.connections import load_gcp_connection
+from airflow_shared_stream_provider._core.dead_letter import add_within_limit, dead_letter_fields
 from airflow_shared_stream_provider._core.dispositions import Disposition
 from airflow_shared_stream_provider._core.envelope import iso_timestamp
-from airflow_shared_stream_provider._core.errors import (
-    BrokerHandleClosedError,
-    SharedStreamConfigError,
-    missing_dependency,
-)
+from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError, missing_dependency
+from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
+from airflow_shared_stream_provider._core.retry import Backoff, Retry, retry_call, retry_entries
+from airflow_shared_stream_provider._core.tasks import best_effort, cancel_and_wait, close_quietly
 from airflow_shared_stream_provider.triggers.pubsub import PubSubStreamSettings
 
 try:
@@ -85,17 +86,14 @@ try:
 except ImportError as _exc:  # pragma: no cover - depends on the environment
     raise missing_dependency("pubsub", "google-cloud-pubsub", _exc) from _exc
 
-if TYPE_CHECKING:
-    from google.auth.credentials import Credentials
-
-EXTRA_PREFIX: Final = "extra__google_cloud_platform__"
-CLOUD_PLATFORM_SCOPE: Final = "https://www.googleapis.com/auth/cloud-platform"
 ACK_BATCH: Final = 1000  # ack ids per Acknowledge / ModifyAckDeadline call (request size < 512 KiB)
 PUBLISH_BATCH: Final = 100  # dead-letter messages per Publish call
 PUBLISH_BATCH_BYTES: Final = 8 * 1024 * 1024
 MAX_ATTRIBUTES: Final = 100
 MAX_ATTRIBUTE_VALUE: Final = 1024
 RPC_RETRIES: Final = 5
+_ACK_BACKOFF: Final = Backoff(0.1)
+_PUBLISH_BACKOFF: Final = Backoff(0.2)
 DEFAULT_SUBSCRIPTION_DEADLINE: Final = 10
 ATTEMPTS_MEMORY: Final = 100_000
 EOD_FAILURE_REASON: Final = "EXACTLY_ONCE_ACKID_FAILURE"
@@ -123,116 +121,8 @@ class PubSubDelivery(Delivery):
     published_at: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class PubSubConnection:
-    """What the producer took from the Airflow connection (never logged: holds credentials)."""
-
-    credentials: Credentials | None
-    project: str | None
-    emulator_host: str | None
-
-
-def _extra(extras: Mapping[str, Any], name: str) -> Any:
-    value = extras.get(name)
-    if value in (None, ""):
-        value = extras.get(EXTRA_PREFIX + name)
-    return None if value == "" else value
-
-
-def _chain(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [part.strip() for part in value.split(",") if part.strip()]
-    if isinstance(value, list | tuple):
-        return [str(part).strip() for part in value if str(part).strip()]
-    raise SharedStreamConfigError(f"impersonation_chain must be a string or a list, got {type(value).__name__}")
-
-
-async def load_connection(conn_id: str) -> PubSubConnection:
-    """Read ``conn_id`` (upstream ``google_cloud_platform`` shape) and build credentials."""
-    from airflow.sdk import BaseHook
-    from airflow.sdk.exceptions import AirflowNotFoundException
-
-    extras: dict[str, Any] = {}
-    try:
-        connection = await BaseHook.aget_connection(conn_id)
-    except AirflowNotFoundException:
-        connection = None
-    if connection is not None:
-        extras = dict(connection.extra_dejson or {})
-    if _extra(extras, "key_secret_name"):
-        raise SharedStreamConfigError(
-            f"connection {conn_id!r}: extra 'key_secret_name' (key in Secret Manager) is not supported by the "
-            "shared-stream provider; use keyfile_dict, key_path or Application Default Credentials"
-        )
-    project = _extra(extras, "project")
-    emulator_host = os.environ.get("PUBSUB_EMULATOR_HOST") or None
-    if emulator_host:
-        return PubSubConnection(credentials=None, project=project, emulator_host=emulator_host)
-    credentials, cred_project = await asyncio.to_thread(_build_credentials, conn_id, extras)
-    return PubSubConnection(credentials=credentials, project=project or cred_project, emulator_host=None)
-
-
-def _build_credentials(conn_id: str, extras: Mapping[str, Any]) -> tuple[Credentials, str | None]:
-    """Blocking (files, metadata server): run in a thread."""
-    import google.auth
-    import google.auth.exceptions
-    from google.auth import credentials as auth_credentials
-    from google.auth import impersonated_credentials
-    from google.oauth2 import service_account
-
-    scope_text = _extra(extras, "scope")
-    scopes = [s.strip() for s in str(scope_text).split(",") if s.strip()] if scope_text else [CLOUD_PLATFORM_SCOPE]
-    keyfile_dict = _extra(extras, "keyfile_dict")
-    key_path = _extra(extras, "key_path")
-    config_file = _extra(extras, "credential_config_file")
-    project: str | None = None
-    credentials: Any
-    try:
-        if str(_extra(extras, "is_anonymous")).lower() == "true":
-            credentials = auth_credentials.AnonymousCredentials()  # type: ignore[no-untyped-call]
-        elif keyfile_dict:
-            info = json.loads(keyfile_dict) if isinstance(keyfile_dict, str) else dict(keyfile_dict)
-            credentials = service_account.Credentials.from_service_account_info(info, scopes=scopes)  # type: ignore[no-untyped-call]
-            project = info.get("project_id")
-        elif key_path:
-            if str(key_path).endswith(".p12"):
-                raise SharedStreamConfigError(f"connection {conn_id!r}: legacy P12 key_path files are not supported")
-            credentials = service_account.Credentials.from_service_account_file(str(key_path), scopes=scopes)  # type: ignore[no-untyped-call]
-            project = credentials.project_id
-        elif config_file:
-            if isinstance(config_file, Mapping):
-                credentials, project = google.auth.load_credentials_from_dict(dict(config_file), scopes=scopes)  # type: ignore[no-untyped-call]
-            else:
-                credentials, project = google.auth.load_credentials_from_file(str(config_file), scopes=scopes)  # type: ignore[no-untyped-call]
-        else:
-            credentials, project = google.auth.default(scopes=scopes)
-    except SharedStreamConfigError:
-        raise
-    except (ValueError, OSError, google.auth.exceptions.GoogleAuthError) as exc:
-        # The message names the extra but never echoes its value (it may be a private key).
-        source = (
-            "keyfile_dict"
-            if keyfile_dict
-            else "key_path"
-            if key_path
-            else "credential_config_file"
-            if config_file
-            else "Application Default Credentials"
-        )
-        raise SharedStreamConfigError(
-            f"connection {conn_id!r}: cannot load Google credentials from {source}: {type(exc).__name__}"
-        ) from None
-    chain = _chain(_extra(extras, "impersonation_chain"))
-    if chain:
-        credentials = impersonated_credentials.Credentials(  # type: ignore[no-untyped-call]
-            source_credentials=credentials,
-            target_principal=chain[-1],
-            delegates=chain[:-1] or None,
-            target_scopes=scopes,
-        )
-    return credentials, project
+load_connection: Final = load_gcp_connection
+"""The subscription's ``google_cloud_platform`` connection and credentials (see :mod:`._core.connections`)."""
 
 
 def ack_failures(exc: BaseException) -> dict[str, str] | None:
@@ -252,17 +142,6 @@ def ack_failures(exc: BaseException) -> dict[str, str] | None:
     return None
 
 
-class _AckBuffer:
-    """Ack ids waiting for the next batched call, plus the call's error to surface."""
-
-    __slots__ = ("acks", "fatal", "nacks")
-
-    def __init__(self) -> None:
-        self.acks: list[str] = []
-        self.nacks: list[str] = []
-        self.fatal: BaseException | None = None
-
-
 class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, PubSubDelivery]):
     """One subscriber client, one pull loop, for every watcher of a subscription (see module doc)."""
 
@@ -277,21 +156,25 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         self.exactly_once = False
         self.has_dead_letter_policy = False
         self.subscription_ack_deadline = DEFAULT_SUBSCRIPTION_DEADLINE
-        self._buffer = _AckBuffer()
-        self._flush_wakeup: asyncio.Event | None = None
-        self._flusher: asyncio.Task[None] | None = None
-        self._flush_lock: asyncio.Lock | None = None
-        self._leases: LeaseKeeper[str] | None = None
+        # COMMIT and REDELIVER / HOLD: acks and nacks gathered across advance calls, sent in batches.
+        self._buffer = AckBuffer(
+            send_acks=functools.partial(self._send, "ack"),
+            send_nacks=functools.partial(self._send, "modify"),
+            batch_size=ACK_BATCH,
+            interval=settings.ack_flush_interval,
+            log=self.log,
+        )
+        # Ack ids yielded and not yet advanced (nacked on close so Pub/Sub redelivers them at once),
+        # with their leases (ack deadlines).
+        self._unsettled: InFlight[str, None] = InFlight(self.counters)
         self._pulls_started = 0
         # ordering key -> pulls started when a message of that key was last nacked: messages of
         # the key from pulls up to that one were delivered before the nack and must follow it.
         self._key_barriers: dict[str, int] = {}
-        # Ack ids yielded and not yet advanced: nacked on close so Pub/Sub redelivers them at once.
-        self._unresolved: set[str] = set()
         self._next_pull: asyncio.Task[tuple[int, float, Sequence[Any]]] | None = None
         # message id -> deliveries seen by this producer, for the poison cap when the subscription
         # has no dead-letter policy (Pub/Sub only counts attempts when it has one).
-        self._attempts: OrderedDict[str, int] = OrderedDict()
+        self._attempts: MessageCounts[str] = MessageCounts(ATTEMPTS_MEMORY)
         self.pull_calls = 0
         self.ack_calls = 0
         self.modify_calls = 0
@@ -301,11 +184,16 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
     def source_label(self) -> str:
         return self.subscription_path or self.settings.subscription
 
-    def get_advance_lane(self, broker_payload: Any) -> Hashable:
+    def lane_of(self, broker_payload: Any) -> Hashable:
         delivery: PubSubDelivery = broker_payload
         if delivery.ordering_key:
             return ("ordering_key", delivery.ordering_key)
         return delivery.ack_id
+
+    def batch_lane_of(self, broker_payload: Any) -> Hashable:
+        """Batch mode: one batch lane per ordering key, one for every unordered message."""
+        delivery: PubSubDelivery = broker_payload
+        return ("ordering_key", delivery.ordering_key) if delivery.ordering_key else None
 
     # -- connecting ----------------------------------------------------------------------------
     async def _connect(self) -> SubscriberAsyncClient:
@@ -375,13 +263,12 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         )
 
     # -- the pull loop ---------------------------------------------------------------------------
-    async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
+    async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
         await self._connect()
-        self._leases = leases = self._make_lease_keeper()
-        leases.start()
-        self._flush_wakeup = asyncio.Event()
-        self._flush_lock = asyncio.Lock()
-        self._flusher = asyncio.create_task(self._flush_loop(), name=f"pubsub-acks[{self.subscription_path}]")
+        await self.cohort_ready()
+        unsettled = self._unsettled
+        unsettled.keep_leases(self._make_lease_keeper())
+        self._buffer.start(f"pubsub-acks[{self.subscription_path}]", where=self.source_label())
         source = self.source_label()
         idle_wait = 0.0
         try:
@@ -404,7 +291,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                 idle_wait = 0.0
                 self.counters.add("received", len(received))
                 # Pipelining: the next pull travels while this batch is fanned out.
-                more = self.gate.credit() - len(received)
+                more = self.credit() - len(received)
                 if more > 0:
                     self._next_pull = self._start_pull(more)
                 # The server started each lease when it answered; the request start is a lower bound.
@@ -428,8 +315,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                         delivery_attempt=attempt,
                         metadata={"ordering_key": ordering_key or None},
                     )
-                    leases.track(ack_id, lease_expires_at=lease_end)
-                    self._unresolved.add(ack_id)
+                    unsettled.add(ack_id, None, lease_expires_at=lease_end)
                     message = self.stream_message(envelope, forced)
                     yield (
                         message,
@@ -446,7 +332,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                         ),
                     )
         finally:
-            await _cancel(self._next_pull)
+            await cancel_and_wait(self._next_pull)
             self._next_pull = None
 
     def _start_pull(self, credit: int) -> asyncio.Task[tuple[int, float, Sequence[Any]]]:
@@ -493,12 +379,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         """Pub/Sub's ``delivery_attempt`` when it counts (dead-letter policy), else ours."""
         if server_attempt > 0:
             return server_attempt
-        attempt = self._attempts.get(message_id, 0) + 1
-        self._attempts[message_id] = attempt
-        self._attempts.move_to_end(message_id)
-        if len(self._attempts) > ATTEMPTS_MEMORY:
-            self._attempts.popitem(last=False)
-        return attempt
+        return self._attempts.increment(message_id)
 
     # -- advancing -------------------------------------------------------------------------------
     async def _apply(self, decided: Sequence[Decided[PubSubDelivery]]) -> None:
@@ -523,13 +404,13 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                         del self._key_barriers[key]
             if disposition is Disposition.COMMIT:
                 acks.append(delivery.ack_id)
-                self._attempts.pop(delivery.message_id, None)
+                self._attempts.forget(delivery.message_id)
             elif disposition is Disposition.DEAD_LETTER:
                 dead.append(entry)
-                self._attempts.pop(delivery.message_id, None)
+                self._attempts.forget(delivery.message_id)
             else:
                 if disposition is Disposition.HOLD:
-                    self._forget_attempt(delivery.message_id)
+                    self._attempts.decrement(delivery.message_id)  # a hold is not a delivery attempt
                 if key:
                     ordered_nacks.append(delivery)
                     # Later messages of the key in this very batch follow it too.
@@ -549,12 +430,8 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                         self.source_label(),
                         entry.decision.reason,
                     )
-        leases = self._leases
-        unresolved = self._unresolved
         for entry in decided:
-            unresolved.discard(entry.delivery.ack_id)
-            if leases is not None:
-                leases.release(entry.delivery.ack_id)
+            self._unsettled.settled(entry.delivery.ack_id)
         if ordered_nacks:
             # Sent now, not buffered: the barrier must cover every pull that could still hand out
             # later messages of the key before Pub/Sub saw the nack.
@@ -562,18 +439,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
             for delivery in ordered_nacks:
                 self._key_barriers[delivery.ordering_key] = self._pulls_started
         if acks or nacks:
-            self._buffer.acks.extend(acks)
-            self._buffer.nacks.extend(nacks)
-            if self._flush_wakeup is not None:
-                self._flush_wakeup.set()
-
-    def _forget_attempt(self, message_id: str) -> None:
-        count = self._attempts.get(message_id)
-        if count is not None:
-            if count <= 1:
-                del self._attempts[message_id]
-            else:
-                self._attempts[message_id] = count - 1
+            self._buffer.add(acks, nacks)
 
     async def _publish_dead_letters(self, dead: Sequence[Decided[PubSubDelivery]]) -> None:
         publisher = self._publisher
@@ -593,70 +459,38 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
             await self._publish(publisher, topic, batch)
 
     def _dead_letter_message(self, entry: Decided[PubSubDelivery]) -> dict[str, Any]:
+        """The original data and attributes, plus the non-empty ``x-dead-letter-*`` ones while 100 attributes allow."""
         delivery = entry.delivery
-        extra = {
-            "x-dead-letter-reason": entry.decision.reason[: MAX_ATTRIBUTE_VALUE - 1],
-            "x-dead-letter-source": self.source_label(),
-            "x-dead-letter-message-id": delivery.message_id,
-            "x-dead-letter-delivery-attempt": str(delivery.delivery_attempt),
-            "x-dead-letter-published-at": delivery.published_at or "",
-            "x-dead-letter-ordering-key": delivery.ordering_key,
-        }
-        attributes = dict(delivery.attributes)
-        for name, value in extra.items():
-            if len(attributes) >= MAX_ATTRIBUTES:
-                break  # the original attributes come first: never drop one of those
-            if value:
-                attributes[name] = value
+        fields = dead_letter_fields(
+            reason=entry.decision.reason[: MAX_ATTRIBUTE_VALUE - 1],
+            source=self.source_label(),
+            message_id=delivery.message_id,
+            delivery_attempt=str(delivery.delivery_attempt),
+            published_at=delivery.published_at or "",
+            ordering_key=delivery.ordering_key,
+        )
+        extra = {name: value for name, value in fields.items() if value}
+        attributes = add_within_limit(dict(delivery.attributes), extra, limit=MAX_ATTRIBUTES, overwrite=True)
         return {"data": delivery.data, "attributes": attributes}
 
     async def _publish(self, publisher: PublisherAsyncClient, topic: str, messages: list[dict[str, Any]]) -> None:
-        for attempt in range(RPC_RETRIES):
+        async def publish() -> None:
             try:
                 await publisher.publish(request={"topic": topic, "messages": messages}, timeout=30, retry=None)
             except gexc.NotFound:
                 raise SharedStreamConfigError(f"dead_letter_topic {topic!r} does not exist") from None
-            except _TRANSIENT:
-                if attempt == RPC_RETRIES - 1:
-                    raise
-                await asyncio.sleep(0.2 * 2**attempt)
-                continue
             finally:
                 self.publish_calls += 1
                 self.counters.add("api_calls")
-            return
 
-    # -- batched acks / nacks --------------------------------------------------------------------
-    async def _flush_loop(self) -> None:
-        wakeup = self._flush_wakeup
-        assert wakeup is not None
-        interval = self.settings.ack_flush_interval
-        while True:
-            await wakeup.wait()
-            if interval > 0 and len(self._buffer.acks) + len(self._buffer.nacks) < ACK_BATCH:
-                await asyncio.sleep(interval)
-            wakeup.clear()
-            try:
-                await self.flush()
-            except Exception as exc:  # surfaced through the pull loop
-                self.log.error("Acknowledging on %s failed; terminating the stream", self.source_label(), exc_info=True)
-                self._buffer.fatal = exc
-                return
+        await retry_call(
+            publish, attempts=RPC_RETRIES, backoff=_PUBLISH_BACKOFF, retriable=lambda exc: isinstance(exc, _TRANSIENT)
+        )
 
+    # -- acks and nacks ----------------------------------------------------------------------------
     async def flush(self) -> None:
         """Send every buffered ack and nack now."""
-        lock = self._flush_lock
-        if lock is None:
-            return
-        async with lock:
-            buffer = self._buffer
-            while buffer.acks or buffer.nacks:
-                acks, buffer.acks = buffer.acks, []
-                nacks, buffer.nacks = buffer.nacks, []
-                for start in range(0, len(acks), ACK_BATCH):
-                    await self._send("ack", acks[start : start + ACK_BATCH])
-                for start in range(0, len(nacks), ACK_BATCH):
-                    await self._send("modify", nacks[start : start + ACK_BATCH])
+        await self._buffer.flush()
 
     async def _send(self, kind: str, ack_ids: Sequence[str], deadline: int = 0) -> list[str]:
         """
@@ -670,10 +504,12 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         client = self._subscriber
         if client is None:
             raise BrokerHandleClosedError(f"Pub/Sub producer for {self.source_label()} is closed")
-        pending = list(ack_ids)
         lost: list[str] = []
-        attempt = 0
-        while pending:
+        call_error: BaseException | None = None  # the last attempt's error, when it failed as a whole
+
+        async def send(pending: list[str]) -> Retry[str]:
+            nonlocal call_error
+            call_error = None
             try:
                 if kind == "ack":
                     self.ack_calls += 1
@@ -691,36 +527,32 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                         timeout=30,
                         retry=None,
                     )
-                self.counters.add("api_calls")
-                break
             except gexc.GoogleAPICallError as exc:
                 self.counters.add("api_calls")
                 failures = ack_failures(exc)
-                attempt += 1
                 if failures is not None:
-                    permanent = [ack_id for ack_id in pending if failures.get(ack_id, "").startswith("PERMANENT")]
-                    transient = [
-                        ack_id
-                        for ack_id in pending
-                        if ack_id in failures and not failures[ack_id].startswith("PERMANENT")
-                    ]
-                    lost.extend(permanent)
-                    pending = transient
-                elif isinstance(exc, gexc.InvalidArgument) and len(pending) > 1:
-                    # One bad id fails the whole call (the emulator does this): isolate it.
-                    for ack_id in pending:
-                        lost.extend(await self._send(kind, [ack_id], deadline))
-                    pending = []
-                elif isinstance(exc, gexc.InvalidArgument):
-                    lost.extend(pending)
-                    pending = []
-                elif not isinstance(exc, _TRANSIENT) or attempt >= RPC_RETRIES:
-                    raise
-                if pending:
-                    if attempt >= RPC_RETRIES:
+                    lost.extend(ack_id for ack_id in pending if failures.get(ack_id, "").startswith("PERMANENT"))
+                    transient = [a for a in pending if a in failures and not failures[a].startswith("PERMANENT")]
+                    return transient, str(exc)
+                if isinstance(exc, gexc.InvalidArgument):
+                    if len(pending) > 1:
+                        # One bad id fails the whole call (the emulator does this): isolate it.
+                        for ack_id in pending:
+                            lost.extend(await self._send(kind, [ack_id], deadline))
+                    else:
                         lost.extend(pending)
-                        break
-                    await asyncio.sleep(0.1 * 2 ** (attempt - 1))
+                    return [], ""
+                if not isinstance(exc, _TRANSIENT):
+                    raise
+                call_error = exc
+                return pending, str(exc)
+            self.counters.add("api_calls")
+            return [], ""
+
+        left, _ = await retry_entries(ack_ids, send, attempts=RPC_RETRIES, backoff=_ACK_BACKOFF)
+        if left and call_error is not None:
+            raise call_error
+        lost.extend(left)  # exactly-once: ids still transiently failing after the retries
         if lost:
             self.counters.add("leases_lost", len(lost))
             if kind == "ack":
@@ -732,46 +564,32 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         return lost
 
     async def _renew_leases(self, ack_ids: Sequence[str], lease_seconds: float) -> Sequence[str]:
+        """A lease on Pub/Sub is the ack deadline: extend it (``_send`` counts the ids it lost)."""
         lost = await self._send("modify", ack_ids, int(lease_seconds))
-        self.counters.add("leases_renewed", len(ack_ids) - len(lost))
+        self._unsettled.count_renewals(len(ack_ids) - len(lost))
         return lost
 
     # -- closing ---------------------------------------------------------------------------------
     async def _close(self) -> None:
-        await _cancel(self._next_pull)
+        await cancel_and_wait(self._next_pull)
         self._next_pull = None
-        if self._leases is not None:
-            await self._leases.stop()
-        flusher, self._flusher = self._flusher, None
-        if flusher is not None:
-            flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await flusher
+        await self._unsettled.stop()
+        await self._buffer.stop()
         try:
             if self._subscriber is not None and self._buffer.fatal is None:
                 # Acks already decided are sent before the channel closes (fewer duplicates), and
                 # messages nobody finished are handed back now instead of when their lease lapses.
-                self._buffer.nacks.extend(self._unresolved)
-                self._unresolved.clear()
-                await asyncio.wait_for(self.flush(), timeout=10)
-        except Exception:
-            self.log.warning("Final ack flush on %s failed; Pub/Sub redelivers", self.source_label(), exc_info=True)
+                self._buffer.nacks.extend(self._unsettled.drain())
+                await best_effort(
+                    self.flush(),
+                    self.log,
+                    "Final ack flush on %s failed; Pub/Sub redelivers",
+                    self.source_label(),
+                    timeout=10,
+                )
         finally:
-            await _close_clients([self._subscriber, self._publisher])
+            clients = (self._subscriber, self._publisher)
             self._subscriber = self._publisher = None
-
-
-async def _cancel(task: asyncio.Task[Any] | None) -> None:
-    if task is not None and not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-    elif task is not None and not task.cancelled():
-        task.exception()  # retrieved: no "exception never retrieved" warning
-
-
-async def _close_clients(clients: Iterable[SubscriberAsyncClient | PublisherAsyncClient | None]) -> None:
-    for client in clients:
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await client.transport.close()  # type: ignore[no-untyped-call]
+            await close_quietly(
+                *(client.transport for client in clients if client is not None), log=self.log, where=self.source_label()
+            )

@@ -82,56 +82,61 @@ credit) are skipped, never broadcast (``stale_skipped``): the broker redelivers 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import re
-from collections import deque
-from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Hashable, Sequence
 from datetime import UTC, datetime
-from typing import Any, Final, Literal
+from typing import Any, Final
 
-from airflow_shared_stream_provider._core.dispositions import Disposition
-from airflow_shared_stream_provider._core.envelope import (
-    StreamMessage,
-    iso_timestamp,
-    json_safe,
-    text_attributes,
-    text_value,
+from airflow_shared_stream_provider._core.connections import (
+    ServiceBusConnectionInfo,
+    config_error,
+    connection_info,
+    load_connection_info,
 )
+from airflow_shared_stream_provider._core.dispositions import Disposition
+from airflow_shared_stream_provider._core.envelope import StreamMessage
 from airflow_shared_stream_provider._core.errors import (
     BrokerHandleClosedError,
     SharedStreamConfigError,
     missing_dependency,
 )
+from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
-from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
-from airflow_shared_stream_provider.producers.servicebus_sessions import (
-    CreditPool,
+from airflow_shared_stream_provider._core.producer import Decided, SharedStreamProducerBase
+from airflow_shared_stream_provider._core.tasks import best_effort, close_quietly, first_of
+from airflow_shared_stream_provider.producers.servicebus_owner import OwnerQueue
+from airflow_shared_stream_provider.producers.servicebus_sessions import CreditPool, SessionPool, SessionReceiver
+from airflow_shared_stream_provider.producers.servicebus_types import (
+    LOCK_LOST,
+    NEXT_AVAILABLE_SESSION,
+    NO_SESSION,
+    ServiceBusClient,
     ServiceBusCounters,
-    SessionPool,
-    SessionReceiver,
+    ServiceBusDelivery,
+    ServiceBusReceivedMessage,
+    ServiceBusReceiveMode,
+    ServiceBusReceiver,
+    envelope_fields,
+    errors,
+    lock_seconds_left,
+    message_body,
+    receive_batch,
     renew_margin,
 )
 from airflow_shared_stream_provider.triggers.servicebus import ServiceBusStreamSettings
 
-try:
-    from azure.servicebus import NEXT_AVAILABLE_SESSION, ServiceBusReceivedMessage, ServiceBusReceiveMode
-    from azure.servicebus.aio import ServiceBusClient, ServiceBusReceiver
-    from azure.servicebus.amqp import AmqpMessageBodyType
-    from azure.servicebus.exceptions import (
-        MessageAlreadySettled,
-        MessageLockLostError,
-        MessagingEntityNotFoundError,
-        OperationTimeoutError,
-        ServiceBusAuthenticationError,
-        ServiceBusAuthorizationError,
-        ServiceBusError,
-        SessionCannotBeLockedError,
-        SessionLockLostError,
-    )
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise missing_dependency("servicebus", "azure-servicebus", exc) from exc
+# Connection reading and the message -> envelope mapping live one floor down; they stay importable
+# from here, where they were first defined.
+__all__ = [
+    "POISON_REASON",
+    "REJECTED_REASON",
+    "ServiceBusConnectionInfo",
+    "ServiceBusDelivery",
+    "ServiceBusSharedStreamProducer",
+    "connection_info",
+    "envelope_fields",
+    "load_connection_info",
+    "message_body",
+]
 
 REJECTED_REASON: Final = "RejectedByWatcher"
 POISON_REASON: Final = "MaxDeliveryAttemptsExceeded"
@@ -144,168 +149,6 @@ SETTLE_CONCURRENCY: Final = 1
 for its echo) contend for the socket and are slower than one at a time, so the default is 1."""
 BUSY_WAIT: Final = 0.05
 """Receive wait (seconds) while messages are in flight, so settlements are not held up."""
-
-_UNSET_VALUES: Final = ("", "none", "null")
-_ENDPOINT = re.compile(r"(?i)(?:^|;)\s*Endpoint\s*=\s*([^;]+)")
-
-
-# -- connection ------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class ServiceBusConnectionInfo:
-    """How to reach the namespace, read from an ``azure_service_bus`` Airflow connection."""
-
-    conn_id: str
-    connection_string: str | None = None
-    fully_qualified_namespace: str | None = None
-    managed_identity_client_id: str | None = None
-    workload_identity_tenant_id: str | None = None
-
-    def describe(self) -> str:
-        """The namespace without secrets, for logs and errors."""
-        if self.connection_string is not None:
-            match = _ENDPOINT.search(self.connection_string)
-            endpoint = match.group(1).strip() if match else "<no Endpoint>"
-            return f"{endpoint} (connection {self.conn_id!r}, connection string)"
-        return f"{self.fully_qualified_namespace} (connection {self.conn_id!r}, DefaultAzureCredential)"
-
-
-def _unset(value: Any) -> bool:
-    return value is None or (isinstance(value, str) and value.strip().lower() in _UNSET_VALUES)
-
-
-def _extra(extras: Mapping[str, Any], name: str) -> str | None:
-    """``name`` or its legacy ``extra__azure_service_bus__`` form, like the upstream hook."""
-    for key in (name, f"extra__azure_service_bus__{name}"):
-        value = extras.get(key)
-        if not _unset(value):
-            return str(value).strip()
-    return None
-
-
-def connection_info(conn_id: str, *, schema: Any, host: Any, extras: Mapping[str, Any]) -> ServiceBusConnectionInfo:
-    """
-    Interpret an ``azure_service_bus`` connection the way the upstream provider does.
-
-    The connection string is the *schema* field (the upstream form relabels it "Connection
-    String"), else the ``connection_string`` extra; ``None``, ``""`` and the text ``"None"`` (what
-    ``str(None)`` left in connections saved by older forms) count as unset. Without one, the
-    ``fully_qualified_namespace`` extra (or the host) is used with ``DefaultAzureCredential``.
-    """
-    if not _unset(schema):
-        return ServiceBusConnectionInfo(conn_id, connection_string=str(schema).strip())
-    connection_string = _extra(extras, "connection_string")
-    if connection_string is not None:
-        return ServiceBusConnectionInfo(conn_id, connection_string=connection_string)
-    if _extra(extras, "credential") is not None:
-        raise SharedStreamConfigError(
-            f"Service Bus connection {conn_id!r}: the 'credential' extra is not supported; put a connection "
-            "string in the Connection String (schema) field, or use fully_qualified_namespace with "
-            "DefaultAzureCredential (managed_identity_client_id / workload_identity_tenant_id extras)"
-        )
-    namespace = _extra(extras, "fully_qualified_namespace") or (None if _unset(host) else str(host).strip())
-    if namespace is None:
-        raise SharedStreamConfigError(
-            f"Service Bus connection {conn_id!r} has neither a connection string (schema field or "
-            "'connection_string' extra) nor a 'fully_qualified_namespace' extra"
-        )
-    namespace = re.sub(r"^(?:sb|amqps?)://", "", namespace).rstrip("/")
-    return ServiceBusConnectionInfo(
-        conn_id,
-        fully_qualified_namespace=namespace,
-        managed_identity_client_id=_extra(extras, "managed_identity_client_id"),
-        workload_identity_tenant_id=_extra(extras, "workload_identity_tenant_id"),
-    )
-
-
-async def load_connection_info(conn_id: str) -> ServiceBusConnectionInfo:
-    """Read the Airflow connection (async, through the task SDK) and interpret it."""
-    from airflow.sdk import BaseHook
-
-    try:
-        connection = await BaseHook.aget_connection(conn_id)
-    except Exception as exc:
-        raise SharedStreamConfigError(f"Service Bus connection {conn_id!r} could not be read: {exc}") from exc
-    return connection_info(
-        conn_id, schema=connection.schema, host=connection.host, extras=connection.extra_dejson or {}
-    )
-
-
-# -- message -> envelope ---------------------------------------------------------------------------
-def message_body(message: ServiceBusReceivedMessage) -> bytes | str | None:
-    """The body as bytes (data sections joined) or JSON text (value / sequence bodies)."""
-    body_type = message.body_type
-    body = message.body
-    if body_type == AmqpMessageBodyType.DATA:
-        if isinstance(body, bytes | bytearray | memoryview):
-            return bytes(body)
-        return b"".join(bytes(chunk) for chunk in body)
-    if body_type == AmqpMessageBodyType.SEQUENCE:
-        return json.dumps(json_safe([list(section) for section in body]))
-    if body is None or isinstance(body, bytes | str):
-        return body  # type: ignore[no-any-return]
-    return json.dumps(json_safe(body))
-
-
-def envelope_fields(message: ServiceBusReceivedMessage, *, entity_path: str) -> dict[str, Any]:
-    """The envelope arguments of one received message (everything but size handling)."""
-    sequence_number = message.sequence_number
-    delivery_count = message.delivery_count or 0
-    message_id = message.message_id
-    metadata: dict[str, Any] = {
-        "entity_path": entity_path,
-        "sequence_number": sequence_number,
-        "enqueued_time": iso_timestamp(message.enqueued_time_utc),
-        "delivery_count": delivery_count,
-        "message_id": None if message_id is None else text_value(message_id),
-        "session_id": message.session_id,
-        "correlation_id": None if message.correlation_id is None else text_value(message.correlation_id),
-        "subject": message.subject,
-        "content_type": message.content_type,
-        "partition_key": message.partition_key,
-    }
-    return {
-        "source": entity_path,
-        # The sender's message id when it set one (dedup across resends), else the sequence number,
-        # unique and stable per entity across redeliveries.
-        "message_id": text_value(message_id) if message_id is not None else f"{entity_path}/{sequence_number}",
-        "body": message_body(message),
-        "attributes": text_attributes(message.application_properties),
-        "published_at": iso_timestamp(message.enqueued_time_utc),
-        "delivery_attempt": delivery_count + 1,
-        "metadata": metadata,
-    }
-
-
-def lock_seconds_left(message: ServiceBusReceivedMessage, now: datetime | None = None) -> float:
-    """Seconds until the message's lock expires (negative when it already has)."""
-    locked_until = message.locked_until_utc
-    if locked_until is None:
-        return 0.0
-    current = now or datetime.now(UTC)
-    if locked_until.tzinfo is None:
-        locked_until = locked_until.replace(tzinfo=UTC)
-    return (locked_until - current).total_seconds()
-
-
-@dataclass(frozen=True, slots=True)
-class _Request:
-    """Work for the receiver's owner: settle a batch, or renew locks (the keeper awaits ``future``)."""
-
-    kind: Literal["settle", "renew"]
-    entries: tuple[Decided[ServiceBusDelivery], ...] = ()
-    tokens: tuple[str, ...] = ()
-    future: asyncio.Future[list[str]] | None = None
-
-
-@dataclass(slots=True)
-class ServiceBusDelivery(Delivery):
-    """What ``advance`` needs of one message: the received message (settled on its receiver)."""
-
-    raw: ServiceBusReceivedMessage
-    lock_token: str
-    lane: Hashable
-    session: SessionReceiver | None = None
-    """The session receiver it came from (``sessions=True``): it is settled there, nowhere else."""
 
 
 class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSettings, ServiceBusDelivery]):
@@ -321,18 +164,16 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         self._client: ServiceBusClient | None = None
         self._credential: Any = None
         self._receiver: ServiceBusReceiver | None = None
-        self._keeper: LeaseKeeper[str] | None = None
         self._sessions: SessionPool | None = None
-        self._unsettled: dict[str, ServiceBusReceivedMessage] = {}
-        # Locks a renewal found lost (already counted in leases_lost): the settlement of such a
-        # message fails the same way later and must not count it a second time.
-        self._lost_at_renewal: set[str] = set()
-        self._requests: deque[_Request] = deque()
-        self._request_ready = asyncio.Event()
+        # Received (without sessions) and not settled, by lock token, with their lock renewals.
+        self._unsettled: InFlight[str, ServiceBusReceivedMessage] = InFlight(self.counters)
+        # Settlements and renewals for the receive loop, the one task that uses the receiver.
+        self._requests = OwnerQueue(
+            settle_one=self._settle_one, renew_now=self._renew_now, concurrency=SETTLE_CONCURRENCY
+        )
         self._closing = False
         self.close_timeout = CLOSE_TIMEOUT
         self.busy_wait = BUSY_WAIT
-        self.settle_concurrency = SETTLE_CONCURRENCY
 
     def source_label(self) -> str:
         return self.settings.entity_path
@@ -386,11 +227,16 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         self._client = self._make_client(info)
         return where
 
-    def _config_error(self, exc: ServiceBusError, where: str) -> SharedStreamConfigError | None:
+    def _config_error(self, exc: errors.ServiceBusError, where: str) -> SharedStreamConfigError | None:
         """The configuration error ``exc`` means, if any (else it is the broker's trouble)."""
-        if isinstance(exc, MessagingEntityNotFoundError | ServiceBusAuthenticationError | ServiceBusAuthorizationError):
-            return SharedStreamConfigError(f"{where}: {type(exc).__name__}: {exc}")
-        if isinstance(exc, OperationTimeoutError | SessionCannotBeLockedError | SessionLockLostError):
+        if isinstance(
+            exc,
+            errors.MessagingEntityNotFoundError
+            | errors.ServiceBusAuthenticationError
+            | errors.ServiceBusAuthorizationError,
+        ):
+            return config_error(where, f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, (*NO_SESSION, errors.SessionLockLostError)):
             return None  # session availability, not configuration
         if "session" not in str(exc).lower():
             return None
@@ -408,7 +254,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         receiver = self._receiver = self._make_receiver(self._client)
         try:
             await receiver.__aenter__()
-        except ServiceBusError as exc:
+        except errors.ServiceBusError as exc:
             error = self._config_error(exc, where)
             if error is not None:
                 raise error from exc
@@ -417,7 +263,8 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         return receiver
 
     # -- stream --------------------------------------------------------------------------------
-    async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
+    async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
+        await self.cohort_ready()
         if self.settings.sessions:
             pool = await self._open_sessions()
             while True:
@@ -432,9 +279,9 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         while True:
             # Settlements and renewals first: they are what keeps locks valid and credit flowing.
             if self._requests:
-                await self._run_requests(receiver)
+                await self._requests.run(receiver)
                 continue
-            if self.gate.credit() <= 0:
+            if self.credit() <= 0:
                 await self._wait_for_credit_or_requests()
                 continue
             credit = await self.wait_for_credit()
@@ -444,18 +291,21 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
             # case it serves them only after the whole wait. A short wait costs no AMQP operation
             # with prefetch (an empty receive sends no frame).
             busy = bool(self._unsettled) or not idle
-            batch = await receiver.receive_messages(
-                max_message_count=min(credit, settings.max_message_count),
-                max_wait_time=min(self.busy_wait, settings.max_wait_time) if busy else settings.max_wait_time,
+            batch = await receive_batch(
+                receiver,
+                count=min(credit, settings.max_message_count),
+                wait=min(self.busy_wait, settings.max_wait_time) if busy else settings.max_wait_time,
+                busy=busy,
+                settings=settings,
+                counters=counters,
             )
-            if not busy or settings.prefetch_count == 0 or batch:
-                counters.add("api_calls")
             idle = not batch
             if not batch:
                 self.deferred.release_all()  # quiet entity: hold nothing (see _core/release.py)
                 continue
             counters.add("received", len(batch))
             now = datetime.now(UTC)
+            loop_now = self._keeper_now()  # the keeper's clock at the same moment
             stale = 0
             for raw in batch:
                 left = lock_seconds_left(raw, now)
@@ -464,9 +314,9 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                     stale += 1
                     continue
                 lock_token = str(raw.lock_token)
-                self._unsettled[lock_token] = raw
                 if settings.renew_locks:
-                    self._lease_keeper(left).track(lock_token, lease_expires_at=self._keeper_now() + left)
+                    self._keep_locks(left)
+                self._unsettled.add(lock_token, raw, lease_expires_at=loop_now + left)
                 fields = envelope_fields(raw, entity_path=entity_path)
                 envelope, forced = self.envelope(**fields)
                 lane: Hashable = raw.session_id if raw.session_id else raw.sequence_number
@@ -481,8 +331,13 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                     stale,
                 )
 
-    def get_advance_lane(self, broker_payload: Any) -> Hashable:
+    def lane_of(self, broker_payload: Any) -> Hashable:
         return broker_payload.lane  # type: ignore[no-any-return]
+
+    def batch_lane_of(self, broker_payload: Any) -> Hashable:
+        """Batch mode: one batch lane per session; messages without a session share one."""
+        session_id = broker_payload.raw.session_id
+        return ("session", session_id) if session_id else None
 
     # -- sessions ------------------------------------------------------------------------------
     async def _open_sessions(self) -> SessionPool:
@@ -495,7 +350,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
             entity_path=self.entity_path,
             open_session=lambda: self._accept_session(where),
             settle=self._settle,
-            credit=CreditPool(self.gate.credit, self.wait_for_credit),
+            credit=CreditPool(self.credit, self.wait_for_credit),
             busy_wait=self.busy_wait,
             close_timeout=self.close_timeout,
         )
@@ -519,9 +374,14 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         try:
             await receiver.__aenter__()
         except BaseException as exc:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(receiver.close(), timeout=self.close_timeout)
-            error = self._config_error(exc, where) if isinstance(exc, ServiceBusError) else None
+            await best_effort(
+                receiver.close(),
+                self.log,
+                "%s: error closing a receiver that could not accept a session",
+                self.entity_path,
+                timeout=self.close_timeout,
+            )
+            error = self._config_error(exc, where) if isinstance(exc, errors.ServiceBusError) else None
             if error is not None:
                 raise error from exc
             raise
@@ -529,95 +389,42 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
 
     async def _wait_for_credit_or_requests(self) -> None:
         """Block until watchers give credit back, or a settlement / renewal is requested."""
-        credit = asyncio.ensure_future(self.wait_for_credit())
-        request = asyncio.ensure_future(self._request_ready.wait())
-        try:
-            await asyncio.wait((credit, request), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (credit, request):
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-
-    # -- the receiver's single owner -------------------------------------------------------------
-    def _submit(self, request: _Request) -> None:
-        self._requests.append(request)
-        self._request_ready.set()
-
-    async def _run_requests(self, receiver: ServiceBusReceiver) -> None:
-        """Carry out queued settlements and renewals, in order, on the receiving receiver."""
-        while self._requests:
-            request = self._requests.popleft()
-            if request.kind == "renew":
-                try:
-                    result = await self._renew_now(receiver, request.tokens)
-                except BaseException as exc:
-                    if request.future is not None and not request.future.done():
-                        request.future.set_exception(exc)
-                    raise
-                if request.future is not None and not request.future.done():
-                    request.future.set_result(result)
-                continue
-            # Consecutive settle requests are merged and settled ``settle_concurrency`` at a time
-            # (never overlapping a receive call).
-            pending = deque(request.entries)
-            while self._requests and self._requests[0].kind == "settle":
-                pending.extend(self._requests.popleft().entries)
-            try:
-                while pending:
-                    chunk = [pending.popleft() for _ in range(min(self.settle_concurrency, len(pending)))]
-                    try:
-                        if len(chunk) == 1:
-                            await self._settle_one(receiver, chunk[0])
-                        else:
-                            await asyncio.gather(*(self._settle_one(receiver, entry) for entry in chunk))
-                    except BaseException:
-                        pending.extendleft(reversed(chunk))
-                        raise
-            finally:
-                if pending:
-                    # Cancelled (the group is stopping) or failed mid-batch: keep what is left for
-                    # ``aclose``, which settles it before closing the receiver.
-                    self._requests.appendleft(_Request("settle", entries=tuple(pending)))
-                    self._request_ready.set()
-        self._request_ready.clear()
+        await first_of((self.wait_for_credit(), self._requests.ready.wait()), None)
 
     # -- lock renewal --------------------------------------------------------------------------
     @staticmethod
     def _keeper_now() -> float:
         return asyncio.get_running_loop().time()
 
-    def _lease_keeper(self, lock_seconds: float) -> LeaseKeeper[str]:
-        """The keeper, created on the first message (its lock tells the entity's lock duration)."""
-        keeper = self._keeper
+    def _keep_locks(self, lock_seconds: float) -> None:
+        """Start the keeper on the first message (its lock tells the entity's lock duration)."""
+        keeper = self._unsettled.keeper
         if keeper is None:
             lease = max(lock_seconds, 1.0)
-            keeper = self._keeper = LeaseKeeper(
-                renew=self._renew,
-                lease_seconds=lease,
-                renew_margin=renew_margin(lease),
-                max_hold=self.ack_timeout + min(30.0, lease),
-                batch_size=100,
-                now=self._keeper_now,
-                name=f"servicebus-lock-renewer[{self.entity_path}]",
+            self._unsettled.keep_leases(
+                LeaseKeeper(
+                    renew=self._renew,
+                    lease_seconds=lease,
+                    renew_margin=renew_margin(lease),
+                    max_hold=self.ack_timeout + min(30.0, lease),
+                    batch_size=100,
+                    now=self._keeper_now,
+                    name=f"servicebus-lock-renewer[{self.entity_path}]",
+                )
             )
-            keeper.start()
         elif lock_seconds > keeper.lease_seconds:
             # A buffered first message under-estimated the lock duration; a fresh one corrects it.
             keeper.lease_seconds = lock_seconds
             keeper.renew_margin = renew_margin(lock_seconds)
-        return keeper
 
     async def _renew(self, lock_tokens: Sequence[str], _lease_seconds: float) -> list[str]:
         """The keeper's renew callback: hand the batch to the receiver's owner and wait."""
         if self._receiver is None:
             return list(lock_tokens)
-        future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
-        self._submit(_Request("renew", tokens=tuple(lock_tokens), future=future))
-        return await future
+        return await self._requests.renew(lock_tokens)
 
     async def _renew_now(self, receiver: ServiceBusReceiver, lock_tokens: Sequence[str]) -> list[str]:
+        """A lease on Service Bus is the message lock: renew each (one $management call per lock)."""
         lost: list[str] = []
         renewed = 0
         for token in lock_tokens:
@@ -628,18 +435,16 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
             try:
                 await receiver.renew_message_lock(message)
                 renewed += 1
-            except (MessageLockLostError, SessionLockLostError):
+            except LOCK_LOST:
                 lost.append(token)
                 self.log.warning(
                     "%s: lock of message %s lost before renewal; the broker redelivers it",
                     self.entity_path,
                     message.message_id,
                 )
-            except MessageAlreadySettled:
+            except errors.MessageAlreadySettled:
                 continue
-        self.counters.add("leases_renewed", renewed)
-        self.counters.add("leases_lost", len(lost))
-        self._lost_at_renewal.update(lost)
+        self._unsettled.count_renewals(renewed, lost)
         return lost
 
     # -- advance -------------------------------------------------------------------------------
@@ -647,20 +452,17 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         self, decided: Sequence[Decided[ServiceBusDelivery]]
     ) -> Sequence[Decided[ServiceBusDelivery]] | None:
         """
-        Queue the batch's settlements for the receiver's owner (the ``open_stream`` loop), or with
-        sessions, for the session receiver each message came from (:meth:`_apply_to_sessions`).
-
-        The SDK's receiver is not coroutine-safe, and a settlement awaited while a receive call
-        is in flight waits for that call's read cycle (measured: 5 settlements/s instead of
-        2,600/s). So one task owns the receiver and runs settlements between receive calls,
-        before any further receive; an error other than a lost lock ends ``open_stream`` and so
-        the group, like an ``advance`` that raises.
+        Queue the batch's settlements for the receiver's owner, the receive loop (see
+        :mod:`.servicebus_owner`), or with sessions, for the session receiver each message came
+        from (:meth:`_apply_to_sessions`). The owner settles them before its next receive; an
+        error other than a lost lock ends the stream and so the group, like an ``advance`` that
+        raises.
         """
         if self._sessions is not None and not self._closing:
             return self._apply_to_sessions(decided)
         if self._receiver is None or self._closing:
             raise BrokerHandleClosedError(f"{self.entity_path}: receiver closed; {len(decided)} message(s) not settled")
-        self._submit(_Request("settle", entries=tuple(decided)))
+        self._requests.settle(decided)
         return None
 
     @staticmethod
@@ -684,8 +486,8 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
             return  # settled already (a batch retried after a cancellation)
         try:
             await self._settle(receiver, entry)
-        except (MessageLockLostError, SessionLockLostError) as exc:
-            if delivery.lock_token not in self._lost_at_renewal:
+        except LOCK_LOST as exc:
+            if not self._unsettled.lost_at_renewal(delivery.lock_token):
                 self.counters.add("leases_lost")
             self.log.warning(
                 "%s: lock of message %s (sequence %s) lost before %s (%s); the broker redelivers it "
@@ -696,12 +498,12 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                 entry.disposition.value,
                 type(exc).__name__,
             )
-        except MessageAlreadySettled:
+        except errors.MessageAlreadySettled:
             self.log.warning(
                 "%s: message %s was already settled", self.entity_path, delivery.message.envelope["message_id"]
             )
         # Anything else (cancellation included) leaves the message unsettled for aclose.
-        self._forget(delivery.lock_token)
+        self._unsettled.settled(delivery.lock_token)
 
     async def _settle(self, receiver: ServiceBusReceiver, entry: Decided[ServiceBusDelivery]) -> None:
         message = entry.delivery.raw
@@ -717,12 +519,6 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         else:  # REDELIVER and HOLD
             await receiver.abandon_message(message)
 
-    def _forget(self, lock_token: str) -> None:
-        self._unsettled.pop(lock_token, None)
-        self._lost_at_renewal.discard(lock_token)
-        if self._keeper is not None:
-            self._keeper.release(lock_token)
-
     # -- close ---------------------------------------------------------------------------------
     async def _close(self) -> None:
         # Shielded: the manager's stop can cancel the poll task while it awaits aclose (a cancelled
@@ -737,49 +533,35 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
 
     async def _close_now(self) -> None:
         self._closing = True
-        keeper, self._keeper = self._keeper, None
-        if keeper is not None:
-            await keeper.stop()
+        await self._unsettled.stop()
         pool, self._sessions = self._sessions, None
         if pool is not None:
-            try:
-                await pool.close()
-            except Exception:
-                self.log.warning("%s: error closing the session receivers", self.entity_path, exc_info=True)
+            await best_effort(
+                pool.close(), self.log, "%s: error closing the session receivers", self.entity_path, timeout=None
+            )
         receiver, self._receiver = self._receiver, None
         client, self._client = self._client, None
         credential, self._credential = self._credential, None
         try:
             if receiver is not None:
-                try:
-                    await asyncio.wait_for(self._finish(receiver), timeout=self.close_timeout)
-                except Exception:
-                    self.log.warning(
-                        "%s: could not settle / abandon every in-flight message on close; the rest return "
-                        "at lock expiry",
-                        self.entity_path,
-                        exc_info=True,
-                    )
+                await best_effort(
+                    self._finish(receiver),
+                    self.log,
+                    "%s: could not settle / abandon every in-flight message on close; the rest return at lock expiry",
+                    self.entity_path,
+                    timeout=self.close_timeout,
+                )
         finally:
-            for request in self._requests:
-                if request.future is not None and not request.future.done():
-                    request.future.cancel()
-            self._requests.clear()
-            self._unsettled.clear()
-            for closable in (receiver, client, credential):
-                if closable is None:
-                    continue
-                try:
-                    await closable.close()
-                except Exception:
-                    self.log.warning("%s: error closing %s", self.entity_path, type(closable).__name__, exc_info=True)
+            self._requests.cancel()
+            self._unsettled.drain()
+            await close_quietly(receiver, client, credential, log=self.log, where=self.entity_path)
 
     async def _finish(self, receiver: ServiceBusReceiver) -> None:
         """Settle what the manager already resolved, then abandon what it did not (prompt redelivery)."""
-        await self._run_requests(receiver)
-        for message in list(self._unsettled.values()):
+        await self._requests.run(receiver)
+        for message in self._unsettled.items():
             self.counters.add("api_calls")
             try:
                 await receiver.abandon_message(message)
-            except (MessageLockLostError, SessionLockLostError, MessageAlreadySettled):
+            except (*LOCK_LOST, errors.MessageAlreadySettled):
                 continue

@@ -31,37 +31,35 @@ so that all of them together never receive more than the watchers can queue.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Final, Literal
+from datetime import datetime
+from typing import Final, Literal
 
+from airflow_shared_stream_provider._core.credit import CreditPool
 from airflow_shared_stream_provider._core.dispositions import Decision, Disposition
-from airflow_shared_stream_provider._core.errors import SharedStreamConfigError, missing_dependency
-from airflow_shared_stream_provider._core.metrics import StreamCounters
+from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
+from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.producer import Decided
+from airflow_shared_stream_provider._core.tasks import best_effort
+from airflow_shared_stream_provider.producers.servicebus_types import (
+    LOCK_LOST,
+    NO_SESSION,
+    ServiceBusCounters,
+    ServiceBusDelivery,
+    ServiceBusReceivedMessage,
+    ServiceBusReceiver,
+    errors,
+    receive_batch,
+    renew_margin,
+    seconds_until,
+)
+from airflow_shared_stream_provider.triggers.servicebus import ServiceBusStreamSettings
 
-try:
-    from azure.servicebus import ServiceBusReceivedMessage
-    from azure.servicebus.aio import ServiceBusReceiver
-    from azure.servicebus.exceptions import (
-        MessageAlreadySettled,
-        MessageLockLostError,
-        OperationTimeoutError,
-        ServiceBusConnectionError,
-        ServiceBusError,
-        SessionCannotBeLockedError,
-        SessionLockLostError,
-    )
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise missing_dependency("servicebus", "azure-servicebus", exc) from exc
-
-if TYPE_CHECKING:
-    from airflow_shared_stream_provider.producers.servicebus import ServiceBusDelivery
-    from airflow_shared_stream_provider.triggers.servicebus import ServiceBusStreamSettings
+# CreditPool, ServiceBusCounters and renew_margin are part of what this module offers (they were
+# defined here before the shared pieces moved one floor down).
+__all__ = ["CreditPool", "ServiceBusCounters", "SessionPool", "SessionReceiver", "renew_margin"]
 
 ACCEPT_PAUSE: Final = 1.0
 """Seconds a slot waits after an accept found no session (the accept itself already waited
@@ -76,119 +74,12 @@ SessionState = Literal["open", "holding", "lost", "released"]
 _HOLDS_SESSION: Final = frozenset({Disposition.REDELIVER, Disposition.HOLD})
 # A lost message lock on a session receiver can only mean the session lock went first; either way
 # the session must be given up, or a later message could be completed ahead of this one.
-_LOCK_LOST: Final = (SessionLockLostError, MessageLockLostError, ServiceBusConnectionError)
-
-
-@dataclass
-class ServiceBusCounters(StreamCounters):
-    """The shared counters plus what only session-enabled entities have."""
-
-    sessions_accepted: int = 0
-    sessions_released: int = 0
-    sessions_lost: int = 0
-
-
-def renew_margin(lease_seconds: float) -> float:
-    """Renew a third of the lock duration before expiry, at most 10 s before."""
-    return min(10.0, lease_seconds / 3.0)
-
-
-def _seconds_until(moment: datetime | None) -> float | None:
-    if moment is None:
-        return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return (moment - datetime.now(UTC)).total_seconds()
+_LOCK_LOST: Final = (*LOCK_LOST, errors.ServiceBusConnectionError)
 
 
 def _earliest(*delays: float | None) -> float | None:
     known = [delay for delay in delays if delay is not None]
     return max(0.0, min(known)) if known else None
-
-
-async def _first_of(awaitables: Sequence[Awaitable[Any]], timeout: float | None) -> None:
-    """Return when any of ``awaitables`` finished or ``timeout`` passed; cancel the others."""
-    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
-    try:
-        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-    for task in done:
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]
-
-
-class CreditPool:
-    """
-    The flow gate's credit, shared by the session receivers.
-
-    Invariant: ``reserved`` counts messages some receiver may still add to the stream (credit
-    taken for a receive call in flight, or received messages not yet broadcast). A receiver may
-    reserve only ``credit() - reserved``, so all receivers together never broadcast more than the
-    gate allows. One task at a time waits on the gate (``wait_for_credit``); the others share it.
-    """
-
-    def __init__(self, credit: Callable[[], int], wait_for_credit: Callable[[], Awaitable[int]]) -> None:
-        self._credit = credit
-        self._wait_for_credit = wait_for_credit
-        self.reserved = 0
-        self._changed = asyncio.Event()
-        self._gate_waiter: asyncio.Future[int] | None = None
-
-    def available(self) -> int:
-        return self._credit() - self.reserved
-
-    def try_reserve(self, want: int, *, sharers: int = 1) -> int:
-        """Reserve up to ``want``: no more than is free, nor than an equal share of the gate's
-        credit among ``sharers`` (so one session's long idle wait cannot hold all of it)."""
-        credit = self._credit()
-        available = credit - self.reserved
-        if available <= 0 or want <= 0:
-            return 0
-        share = max(1, -(-credit // max(1, sharers)))
-        taken = min(want, share, available)
-        self.reserved += taken
-        return taken
-
-    def release(self, count: int) -> None:
-        """``count`` reserved messages will not be broadcast (a short receive, a dropped message)."""
-        if count > 0:
-            self.reserved -= count
-            self._changed.set()
-
-    def consumed(self, count: int = 1) -> None:
-        """``count`` reserved messages are being broadcast now: the gate takes them over."""
-        self.reserved -= count
-        self._changed.set()
-
-    async def reserve(self, want: int, *, sharers: int, wake: asyncio.Event, timeout: float | None) -> int:
-        """Reserve credit, waiting for some; 0 if ``wake`` was set or ``timeout`` passed first."""
-        taken = self.try_reserve(want, sharers=sharers)
-        if taken or wake.is_set() or timeout == 0:
-            return taken
-        await _first_of((self._wait_available(), wake.wait()), timeout)
-        return self.try_reserve(want, sharers=sharers)
-
-    async def _wait_available(self) -> None:
-        if self._credit() > 0:
-            # The gate has credit but reservations hold it: wait until one is released or used.
-            self._changed.clear()
-            await self._changed.wait()
-            return
-        if self._gate_waiter is None or self._gate_waiter.done():
-            self._gate_waiter = asyncio.ensure_future(self._wait_for_credit())
-        await asyncio.shield(self._gate_waiter)
-
-    async def close(self) -> None:
-        waiter, self._gate_waiter = self._gate_waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await waiter
 
 
 class SessionReceiver:
@@ -199,7 +90,8 @@ class SessionReceiver:
         self.receiver = receiver
         self.session_id: str = receiver.session.session_id
         self.state: SessionState = "open"
-        self._unsettled: dict[str, ServiceBusReceivedMessage] = {}
+        # Received on this session and not settled (the session lock covers them: no per-message lease).
+        self._unsettled: InFlight[str, ServiceBusReceivedMessage] = InFlight(pool.counters)
         # Outcomes to carry out, in lane (= session) order; only this receiver's task runs them.
         self._requests: deque[Decided[ServiceBusDelivery]] = deque()
         self._wake = asyncio.Event()
@@ -208,7 +100,7 @@ class SessionReceiver:
         self._last_batch_empty = True
         self._renew_not_before = 0.0
         # The entity's lock duration, as the first lock shows it (renewals are timed from it).
-        self._lock_seconds = max(1.0, _seconds_until(self._locked_until()) or 0.0)
+        self._lock_seconds = max(1.0, seconds_until(self._locked_until()) or 0.0)
 
     def __repr__(self) -> str:
         return f"SessionReceiver({self.session_id!r}, {self.state})"
@@ -238,7 +130,7 @@ class SessionReceiver:
         return entry
 
     def forget(self, lock_token: str) -> None:
-        self._unsettled.pop(lock_token, None)
+        self._unsettled.settled(lock_token)
 
     # -- the receiver's own task -----------------------------------------------------------------
     async def run(self) -> None:
@@ -313,20 +205,23 @@ class SessionReceiver:
             wait = min(wait, deadline)
         batch: list[ServiceBusReceivedMessage] = []
         try:
-            batch = await self.receiver.receive_messages(
-                max_message_count=credit, max_wait_time=max(MIN_RECEIVE_WAIT, wait)
+            batch = await receive_batch(
+                self.receiver,
+                count=credit,
+                wait=max(MIN_RECEIVE_WAIT, wait),
+                busy=busy,
+                settings=settings,
+                counters=counters,
             )
         finally:
             self.pool.credit.release(credit - len(batch))
-        if not busy or settings.prefetch_count == 0 or batch:
-            counters.add("api_calls")
         self._last_batch_empty = not batch
         if not batch:
             return
         self._last_activity = self._loop.time()
         counters.add("received", len(batch))
         for raw in batch:
-            self._unsettled[str(raw.lock_token)] = raw
+            self._unsettled.add(str(raw.lock_token), raw)
         self.pool.deliver(self, batch)
 
     async def _run_requests(self) -> None:
@@ -337,7 +232,7 @@ class SessionReceiver:
             if delivery.lock_token in self._unsettled:
                 try:
                     await self.pool.settle(self.receiver, entry)
-                except MessageAlreadySettled:
+                except errors.MessageAlreadySettled:
                     self.pool.log.warning(
                         "%s: message %s was already settled", self.pool.entity_path, delivery.raw.message_id
                     )
@@ -354,7 +249,7 @@ class SessionReceiver:
         """Seconds until the session lock should be renewed (None: never, renew_locks=False)."""
         if not self.pool.settings.renew_locks:
             return None
-        left = _seconds_until(self._locked_until())
+        left = seconds_until(self._locked_until())
         if left is None:
             return None
         return max(left - renew_margin(self._lock_seconds), self._renew_not_before - now)
@@ -367,7 +262,7 @@ class SessionReceiver:
             await self.receiver.session.renew_lock()
         except _LOCK_LOST:
             raise
-        except ServiceBusError:
+        except errors.ServiceBusError:
             # A failed call is not a lost lock: retry shortly, until the lock really runs out.
             self.pool.log.warning(
                 "%s: renewing the lock of session %s failed; retrying",
@@ -395,7 +290,7 @@ class SessionReceiver:
         )
         # Whatever was queued can no longer be settled: the broker has the messages back.
         self._requests.clear()
-        self._unsettled.clear()
+        self._unsettled.drain()
 
     def _end(self, state: SessionState, why: str) -> None:
         self.state = state
@@ -407,16 +302,15 @@ class SessionReceiver:
         if self.state == "open":
             self.state = "released"
         self._requests.clear()
-        self._unsettled.clear()
-        try:
-            await asyncio.wait_for(self.receiver.close(), timeout=self.pool.close_timeout)
-        except Exception:
-            self.pool.log.warning(
-                "%s: error closing the receiver of session %s; its lock expires on its own",
-                self.pool.entity_path,
-                self.session_id,
-                exc_info=True,
-            )
+        self._unsettled.drain()
+        await best_effort(
+            self.receiver.close(),
+            self.pool.log,
+            "%s: error closing the receiver of session %s; its lock expires on its own",
+            self.pool.entity_path,
+            self.session_id,
+            timeout=self.pool.close_timeout,
+        )
         # Not reached when cancelled mid-close: the pool's close() then closes it again (finish).
         self.pool.closed(self)
 
@@ -428,7 +322,7 @@ class SessionPool:
         self,
         *,
         settings: ServiceBusStreamSettings,
-        counters: StreamCounters,
+        counters: ServiceBusCounters,
         log: logging.Logger,
         entity_path: str,
         open_session: Callable[[], Awaitable[ServiceBusReceiver]],
@@ -532,14 +426,14 @@ class SessionPool:
             receiver = await self._open_session()
         except SharedStreamConfigError:
             raise
-        except (OperationTimeoutError, SessionCannotBeLockedError):
+        except NO_SESSION:
             # No session has a message, or all of them are held (by us or other consumers).
             self.counters.add("api_calls")
             self._scarce = True
             self._accept_errors = 0
             await asyncio.sleep(self.accept_pause)
             return None
-        except ServiceBusError as exc:
+        except errors.ServiceBusError as exc:
             self.counters.add("api_calls")
             self._accept_errors += 1
             if self._accept_errors >= MAX_ACCEPT_ERRORS:

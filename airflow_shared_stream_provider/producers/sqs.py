@@ -71,47 +71,41 @@ import binascii
 import contextlib
 import itertools
 import time
-from collections import OrderedDict
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar, Final, NamedTuple
+from typing import Any, ClassVar, Final
 
+from airflow_shared_stream_provider import SharedStreamConfigError
+from airflow_shared_stream_provider._core import connections
+from airflow_shared_stream_provider._core.attempts import MessageCounts
+from airflow_shared_stream_provider._core.dead_letter import add_within_limit, dead_letter_fields
 from airflow_shared_stream_provider._core.dispositions import Decision, Disposition
-from airflow_shared_stream_provider._core.envelope import iso_timestamp, text_value
-from airflow_shared_stream_provider._core.errors import (
-    BrokerHandleClosedError,
-    SharedStreamConfigError,
-    missing_dependency,
-)
+from airflow_shared_stream_provider._core.envelope import StreamMessage, iso_timestamp, text_value
+from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError, missing_dependency
+from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
+from airflow_shared_stream_provider._core.retry import Backoff, ErrorStreak, Retry, chunks, retry_entries
+from airflow_shared_stream_provider._core.tasks import best_effort, cancel_and_wait
 from airflow_shared_stream_provider.triggers.sqs import SqsStreamSettings, region_from_queue_url
 
 try:
     from aiobotocore.config import AioConfig
     from aiobotocore.credentials import AioDeferredRefreshableCredentials
     from aiobotocore.session import AioSession, get_session
-    from botocore.exceptions import (
-        BotoCoreError,
-        ClientError,
-        EndpointConnectionError,
-        NoCredentialsError,
-        NoRegionError,
-        PartialCredentialsError,
-    )
+    from botocore import exceptions as boto
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise missing_dependency("sqs", "aiobotocore", exc) from exc
 
-SQS_BATCH: Final = 10
+SQS_BATCH: Final = 10  # entries per batch call, SQS's limit
 MAX_MESSAGE_ATTRIBUTES: Final = 10
 TRANSFER_ENCODING_ATTRIBUTE: Final = "content-transfer-encoding"
-DEAD_LETTER_REASON: Final = "x-dead-letter-reason"
-DEAD_LETTER_SOURCE: Final = "x-dead-letter-source"
-DEAD_LETTER_MESSAGE_ID: Final = "x-dead-letter-message-id"
 _ENTRY_RETRIES: Final = 3
-_RETRY_BASE_DELAY: Final = 0.2
+_ENTRY_BACKOFF: Final = Backoff(0.2)
 _RECEIVE_ERROR_LIMIT: Final = 5
+_RECEIVE_BACKOFF: Final = Backoff(1.0, cap=16.0)
 _CLOSE_RELEASE_TIMEOUT: Final = 5.0
 _HOLD_MEMORY: Final = 10_000
 # Per-entry error codes meaning "this receipt handle no longer holds the message": retrying cannot
@@ -127,33 +121,9 @@ _LEASE_GONE_CODES: Final = frozenset(
 _MISSING_QUEUE_CODES: Final = frozenset(
     {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist", "NonExistentQueue"}
 )
-_BAD_CREDENTIAL_CODES: Final = frozenset(
-    {
-        "InvalidClientTokenId",
-        "UnrecognizedClientException",
-        "SignatureDoesNotMatch",
-        "InvalidAccessKeyId",
-        "ExpiredToken",
-        "InvalidSecurity",
-        "MissingAuthenticationToken",
-    }
-)
-_DENIED_CODES: Final = frozenset({"AccessDenied", "AccessDeniedException", "KMS.AccessDeniedException"})
-_THROTTLE_CODES: Final = frozenset(
-    {"ThrottlingException", "RequestThrottled", "Throttling", "ServiceUnavailable", "InternalError", "InternalFailure"}
-)
-_FORWARDED_CONFIG_KWARGS: Final = frozenset(
-    {
-        "connect_timeout",
-        "read_timeout",
-        "retries",
-        "max_pool_connections",
-        "proxies",
-        "user_agent_extra",
-        "tcp_keepalive",
-    }
-)
 _FIFO_RELEASE: Final = Decision(Disposition.REDELIVER, "released to keep FIFO order behind a redelivered message")
+_UNSENT: Final = StreamMessage({}, 0)
+"""The ``message`` of a delivery whose envelope is still being built (replaced right before its yield)."""
 
 
 class SqsAdvanceError(RuntimeError):
@@ -178,105 +148,6 @@ class SqsDelivery(Delivery):
     receive_call: int
 
 
-class _Fields(NamedTuple):
-    """An SqsDelivery before its StreamMessage exists (same field order after ``message``)."""
-
-    delivery_attempt: int
-    receipt_handle: str
-    message_id: str
-    body: str
-    message_attributes: dict[str, Any]
-    group_id: str | None
-    receive_call: int
-
-
-@dataclass(frozen=True, slots=True)
-class SqsClientSettings:
-    """What the client is built from: read from the Airflow connection (never logged: has secrets)."""
-
-    region_name: str | None
-    endpoint_url: str | None
-    access_key_id: str | None
-    secret_access_key: str | None
-    session_token: str | None
-    role_arn: str | None
-    assume_role_kwargs: dict[str, Any]
-    config_kwargs: dict[str, Any]
-    verify: bool | str | None
-    connection_found: bool
-
-    def describe(self) -> str:
-        """Secret-free description for logs and errors."""
-        creds = (
-            "access key from the connection"
-            if self.access_key_id
-            else ("default credential chain" if not self.connection_found else "connection without keys (chain)")
-        )
-        parts = [f"region={self.region_name or '<chain default>'}", f"credentials={creds}"]
-        if self.endpoint_url:
-            parts.append(f"endpoint_url={self.endpoint_url}")
-        if self.role_arn:
-            parts.append(f"role_arn={self.role_arn}")
-        return ", ".join(parts)
-
-
-async def load_client_settings(settings: SqsStreamSettings) -> SqsClientSettings:
-    """
-    Read the upstream ``aws`` connection shape directly (we do not declare the ``aws`` type).
-
-    login/password = access key id / secret access key; extras ``region_name``, ``endpoint_url``
-    (or ``service_config.sqs.endpoint_url``), ``aws_session_token``, ``role_arn`` (+
-    ``assume_role_kwargs``), ``config_kwargs``, ``verify``. A connection that does not exist means
-    the default AWS credential chain.
-    """
-    extras: dict[str, Any] = {}
-    login = password = None
-    found = False
-    if settings.aws_conn_id:
-        from airflow.sdk import BaseHook
-        from airflow.sdk.exceptions import AirflowNotFoundException
-
-        try:
-            conn = await BaseHook.aget_connection(settings.aws_conn_id)
-        except AirflowNotFoundException:
-            conn = None
-        if conn is not None:
-            found = True
-            login, password = conn.login or None, conn.password or None
-            extras = await conn.aextra_dejson() if hasattr(conn, "aextra_dejson") else conn.extra_dejson
-    service_config = extras.get("service_config") or {}
-    sqs_config = service_config.get("sqs") if isinstance(service_config, dict) else None
-    endpoint = (sqs_config or {}).get("endpoint_url") or extras.get("endpoint_url")
-    config_kwargs = extras.get("config_kwargs") or {}
-    if not isinstance(config_kwargs, dict):
-        raise SharedStreamConfigError(
-            f"connection {settings.aws_conn_id!r}: extra config_kwargs must be a JSON object, got {config_kwargs!r}"
-        )
-    assume_kwargs = extras.get("assume_role_kwargs") or {}
-    if not isinstance(assume_kwargs, dict):
-        raise SharedStreamConfigError(
-            f"connection {settings.aws_conn_id!r}: extra assume_role_kwargs must be an object"
-        )
-    region = (
-        settings.region_name
-        or extras.get("region_name")
-        or (config_kwargs.get("region_name") if isinstance(config_kwargs, dict) else None)
-        or region_from_queue_url(settings.queue_url)
-    )
-    return SqsClientSettings(
-        region_name=region,
-        endpoint_url=endpoint,
-        access_key_id=login or extras.get("aws_access_key_id"),
-        secret_access_key=password or extras.get("aws_secret_access_key"),
-        session_token=extras.get("aws_session_token"),
-        role_arn=extras.get("role_arn"),
-        assume_role_kwargs=assume_kwargs,
-        config_kwargs=config_kwargs,
-        verify=extras.get("verify"),
-        connection_found=found,
-    )
-
-
 class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDelivery]):
     """One receive loop per queue for every watcher of the stream; see the module docstring."""
 
@@ -291,16 +162,16 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         self._dlq_fifo = False
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
-        self._client_settings: SqsClientSettings | None = None
+        self._client_settings: connections.AwsConnection | None = None
+        # Receipt handles handed to watchers and not yet deleted / released, and their leases.
+        self._unsettled: InFlight[str, None] = InFlight(self.counters)
         self._leases: LeaseKeeper[str] | None = None
         self._receive_calls = itertools.count(1)
         self._receives: dict[asyncio.Task[tuple[float, list[dict[str, Any]]]], int] = {}
-        # Receipt handles handed to watchers and not yet deleted / released.
-        self._in_flight_handles: dict[str, None] = {}
         # FIFO: group -> the receive call whose messages must not be deleted past a released one.
         self._fences: dict[str, int] = {}
         # MessageId -> times it was held (broadcast to nobody): not delivery attempts.
-        self._holds: OrderedDict[str, int] = OrderedDict()
+        self._holds: MessageCounts[str] = MessageCounts(_HOLD_MEMORY)
         # Standard queues: receive call -> messages not advanced yet, and the deletes held back until
         # the whole call is advanced (one DeleteMessageBatch per receive call).
         self._call_left: dict[int, int] = {}
@@ -311,21 +182,24 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
     def source_label(self) -> str:
         return self.settings.queue_url
 
-    def get_advance_lane(self, broker_payload: SqsDelivery) -> Hashable:
+    def lane_of(self, broker_payload: SqsDelivery) -> Hashable:
         if self._fifo:
             return ("group", broker_payload.group_id)
         return ("receive", broker_payload.receive_call)
+
+    def batch_lane_of(self, broker_payload: SqsDelivery) -> Hashable:
+        """Batch mode: one batch lane per FIFO message group; a standard queue's messages share one."""
+        return ("group", broker_payload.group_id) if self._fifo else None
 
     # -- connection ----------------------------------------------------------------------------
     def _config_error(self, cause: str, exc: BaseException | None = None) -> SharedStreamConfigError:
         where = self._client_settings.describe() if self._client_settings else ""
         conn = self.settings.aws_conn_id
-        message = f"SQS queue {self.settings.queue_url!r}: {cause} (aws_conn_id={conn!r}; {where})"
-        error = SharedStreamConfigError(message)
-        error.__cause__ = exc
-        return error
+        return connections.config_error(
+            f"SQS queue {self.settings.queue_url!r}", f"{cause} (aws_conn_id={conn!r}; {where})", exc
+        )
 
-    def _session(self, client_settings: SqsClientSettings) -> AioSession:
+    def _session(self, client_settings: connections.AwsConnection) -> AioSession:
         session = get_session()
         if client_settings.access_key_id or client_settings.secret_access_key:
             if not (client_settings.access_key_id and client_settings.secret_access_key):
@@ -335,15 +209,10 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
             )
         return session
 
-    def _client_config(self, client_settings: SqsClientSettings) -> AioConfig:
-        kwargs: dict[str, Any] = {
-            key: value for key, value in client_settings.config_kwargs.items() if key in _FORWARDED_CONFIG_KWARGS
-        }
-        unknown = set(client_settings.config_kwargs) - _FORWARDED_CONFIG_KWARGS - {"region_name", "signature_version"}
-        if unknown:
-            raise self._config_error(f"unsupported config_kwargs key(s) {sorted(unknown)}")
-        if "signature_version" in client_settings.config_kwargs:
-            kwargs["signature_version"] = client_settings.config_kwargs["signature_version"]
+    def _client_config(self, client_settings: connections.AwsConnection) -> AioConfig:
+        kwargs, unsupported = connections.aws_config_kwargs(client_settings)
+        if unsupported:
+            raise self._config_error(f"unsupported config_kwargs key(s) {unsupported}")
         kwargs.setdefault("retries", {"mode": "standard", "max_attempts": 3})
         # Receives, the lease keeper, deletes and releases may all be in flight at once.
         kwargs.setdefault("max_pool_connections", max(10, self.settings.concurrent_receives + 4))
@@ -351,7 +220,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         kwargs.setdefault("read_timeout", self.settings.wait_time_seconds + 40)
         return AioConfig(**kwargs)
 
-    async def _assume_role(self, session: AioSession, client_settings: SqsClientSettings) -> None:
+    async def _assume_role(self, session: AioSession, client_settings: connections.AwsConnection) -> None:
         """Replace the session's credentials with refreshable STS assume-role credentials."""
         role_arn = client_settings.role_arn
         assert role_arn is not None
@@ -386,7 +255,13 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         )
 
     async def _connect(self) -> Any:
-        client_settings = await load_client_settings(self.settings)
+        settings = self.settings
+        client_settings = await connections.load_aws_connection(
+            settings.aws_conn_id,
+            service="sqs",
+            region_name=settings.region_name,
+            fallback_region=region_from_queue_url(settings.queue_url),
+        )
         self._client_settings = client_settings
         session = self._session(client_settings)
         if client_settings.role_arn:
@@ -402,7 +277,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                     config=self._client_config(client_settings),
                 )
             )
-        except NoRegionError as exc:
+        except boto.NoRegionError as exc:
             await stack.aclose()
             raise self._config_error(
                 "no AWS region: set region_name on the trigger or the connection, or use a regional queue URL", exc
@@ -411,15 +286,16 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
             await stack.aclose()
             raise
         self._stack = stack
-        self.log.info("SQS shared stream connecting to %s (%s)", self.settings.queue_url, client_settings.describe())
+        self.log.info("SQS shared stream connecting to %s (%s)", settings.queue_url, client_settings.describe())
         return client
 
     def _explain(self, exc: BaseException, queue_url: str) -> str:
-        if isinstance(exc, NoCredentialsError | PartialCredentialsError):
+        """What a botocore error means, for a configuration error or an advance error."""
+        if isinstance(exc, boto.NoCredentialsError | boto.PartialCredentialsError):
             return f"no usable AWS credentials ({exc})"
-        if isinstance(exc, EndpointConnectionError):
+        if isinstance(exc, boto.EndpointConnectionError):
             return f"cannot reach the SQS endpoint ({exc})"
-        if isinstance(exc, ClientError):
+        if isinstance(exc, boto.ClientError):
             error = exc.response.get("Error", {})
             code = str(error.get("Code", ""))
             text = str(error.get("Message", ""))
@@ -429,12 +305,15 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                     f"the queue does not exist in region {region!r} for these credentials "
                     f"(wrong region or account, or deleted) [{code}]"
                 )
-            if code in _BAD_CREDENTIAL_CODES:
-                return f"AWS rejected the credentials [{code}: {text}]"
-            if code in _DENIED_CODES:
-                return f"access denied to {queue_url!r} [{code}: {text}]"
-            return f"{code}: {text}"
+            return connections.aws_error_cause(code, text, resource=queue_url)
         return f"{type(exc).__name__}: {exc}"
+
+    def _is_transient(self, exc: BaseException) -> bool:
+        if isinstance(exc, boto.ClientError):
+            return str(exc.response.get("Error", {}).get("Code", "")) in connections.AWS_THROTTLE_CODES
+        return isinstance(exc, boto.BotoCoreError) and not isinstance(
+            exc, boto.NoCredentialsError | boto.PartialCredentialsError | boto.NoRegionError
+        )
 
     async def _queue_attributes(self, queue_url: str, *, role: str) -> dict[str, str]:
         try:
@@ -442,7 +321,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
             response = await self._client.get_queue_attributes(
                 QueueUrl=queue_url, AttributeNames=["FifoQueue", "VisibilityTimeout", "RedrivePolicy"]
             )
-        except (BotoCoreError, ClientError) as exc:
+        except (boto.BotoCoreError, boto.ClientError) as exc:
             cause = self._explain(exc, queue_url)
             if role == "dlq":
                 cause = f"dlq_queue_url {queue_url!r}: {cause}"
@@ -482,32 +361,28 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         )
         return started, list(response.get("Messages") or [])
 
-    def _is_transient(self, exc: BaseException) -> bool:
-        if isinstance(exc, ClientError):
-            return str(exc.response.get("Error", {}).get("Code", "")) in _THROTTLE_CODES
-        return isinstance(exc, BotoCoreError) and not isinstance(
-            exc, NoCredentialsError | PartialCredentialsError | NoRegionError
-        )
-
-    async def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
+    async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
         settings = self.settings
         self._client = await self._connect()
         await self._check_queues()
+        await self.cohort_ready()
         visibility = settings.visibility_timeout
-        self._leases = LeaseKeeper(
-            renew=self._renew,
-            lease_seconds=visibility,
-            renew_margin=max(0.3, visibility / 3),
-            max_hold=self._max_hold,
-            batch_size=SQS_BATCH,
-            name=f"sqs-lease-keeper[{settings.queue_name}]",
+        self._leases = self._unsettled.keep_leases(
+            LeaseKeeper(
+                renew=self._renew,
+                lease_seconds=visibility,
+                renew_margin=max(0.3, visibility / 3),
+                max_hold=self._max_hold,
+                batch_size=SQS_BATCH,
+                name=f"sqs-lease-keeper[{settings.queue_name}]",
+            )
         )
-        self._leases.start()
         receives = self._receives
-        errors = 0
+        errors = ErrorStreak(_RECEIVE_BACKOFF, limit=_RECEIVE_ERROR_LIMIT)
         try:
             while True:
-                available = self.gate.credit() - sum(receives.values())
+                # Up to concurrent_receives calls in flight, together never asking for more than the credit.
+                available = self.credit() - sum(receives.values())
                 while len(receives) < settings.concurrent_receives and available > 0:
                     count = min(SQS_BATCH, available)
                     task = asyncio.create_task(self._receive(count), name=f"sqs-receive[{settings.queue_name}]")
@@ -522,17 +397,16 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                     del receives[task]
                     try:
                         started, messages = task.result()
-                    except (BotoCoreError, ClientError) as exc:
-                        errors += 1
-                        if not self._is_transient(exc) or errors >= _RECEIVE_ERROR_LIMIT:
+                    except (boto.BotoCoreError, boto.ClientError) as exc:
+                        delay = errors.failed() if self._is_transient(exc) else None
+                        if delay is None:
                             raise self._config_error(
                                 f"ReceiveMessage failed: {self._explain(exc, settings.queue_url)}", exc
                             ) from exc
-                        delay = min(16.0, 2.0 ** (errors - 1))
                         self.log.warning("SQS receive failed (%s); retrying in %.0f s", exc, delay)
                         await asyncio.sleep(delay)
                         continue
-                    errors = 0
+                    errors.reset()
                     if not messages:
                         self.deferred.release_all()  # quiet queue: hold nothing (see _core/release.py)
                         continue
@@ -541,25 +415,24 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                     if not self._fifo:
                         self._call_left[call] = len(messages)
                     lease_ends = started + visibility
-                    leases = self._leases
                     for raw in messages:
-                        fields = self._fields(raw, call)
-                        self._in_flight_handles[fields.receipt_handle] = None
-                        leases.track(fields.receipt_handle, lease_expires_at=lease_ends)
-                        envelope, forced = self._envelope(raw, fields)
-                        msg = self.stream_message(envelope, forced)
-                        yield msg, SqsDelivery(msg, *fields)
+                        delivery = self._delivery(raw, call)
+                        self._unsettled.add(delivery.receipt_handle, None, lease_expires_at=lease_ends)
+                        envelope, forced = self._envelope(raw, delivery)
+                        delivery.message = msg = self.stream_message(envelope, forced)
+                        yield msg, delivery
         finally:
             await self._cancel_receives()
 
-    def _fields(self, raw: dict[str, Any], call: int) -> _Fields:
+    def _delivery(self, raw: dict[str, Any], call: int) -> SqsDelivery:
         attributes = raw.get("Attributes") or {}
         message_id = str(raw["MessageId"])
         attempt = int(attributes.get("ApproximateReceiveCount", "1"))
         held = self._holds.get(message_id)
         if held:
             attempt = max(1, attempt - held)
-        return _Fields(
+        return SqsDelivery(
+            _UNSENT,
             attempt,
             str(raw["ReceiptHandle"]),
             message_id,
@@ -569,7 +442,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
             call,
         )
 
-    def _envelope(self, raw: dict[str, Any], delivery: _Fields) -> tuple[dict[str, Any], str | None]:
+    def _envelope(self, raw: dict[str, Any], delivery: SqsDelivery) -> tuple[dict[str, Any], str | None]:
         system = raw.get("Attributes") or {}
         attributes = {name: _attribute_text(value) for name, value in delivery.message_attributes.items()}
         body: str | bytes = delivery.body
@@ -601,19 +474,15 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
     async def _cancel_receives(self) -> None:
         tasks = list(self._receives)
         self._receives.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_and_wait(*tasks)
 
     # -- leases --------------------------------------------------------------------------------
     async def _renew(self, handles: Sequence[str], lease_seconds: float) -> Sequence[str]:
+        """A lease on SQS is the visibility timeout: extend it (10 per ChangeMessageVisibilityBatch)."""
         if self._client is None:
             raise BrokerHandleClosedError(f"SQS client for {self.settings.queue_url} is closed")
         failed = await self._change_visibility([(handle, int(lease_seconds)) for handle in handles], purpose="extend")
-        self.counters.add("leases_renewed", len(handles) - len(failed))
-        self.counters.add("leases_lost", len(failed))
+        self._unsettled.count_renewals(len(handles) - len(failed), failed)
         if failed:
             self.log.warning(
                 "SQS refused to extend the visibility of %d message(s) on %s: SQS may deliver them again",
@@ -653,25 +522,32 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
             elif disposition is Disposition.REDELIVER:
                 visibility.append((entry, 0))
             else:
-                self._remember_hold(entry.delivery.message_id)
+                self._holds.increment(entry.delivery.message_id)
                 visibility.append((entry, self.settings.hold_backoff))
         lost: set[str] = set()
         if dead:
             await self._dead_letter(dead)
             deletes.extend(entry.delivery for entry in dead)
         if not self._fifo:
-            deletes = self._coalesce(entries[0].delivery.receive_call, len(entries), deletes)
+            # One lane is one receive call; a batch (batch mode) may hold messages of several.
+            advanced_per_call = Counter(entry.delivery.receive_call for entry in entries)
+            deletes_per_call: dict[int, list[SqsDelivery]] = {}
+            for delivery in deletes:
+                deletes_per_call.setdefault(delivery.receive_call, []).append(delivery)
+            deletes = [
+                delivery
+                for call, advanced in advanced_per_call.items()
+                for delivery in self._coalesce(call, advanced, deletes_per_call.get(call, []))
+            ]
         if deletes:
             lost = await self._delete(deletes)
         if visibility:
             await self._release(visibility)
         for handle in [d.receipt_handle for d in deletes] + [e.delivery.receipt_handle for e, _ in visibility]:
-            self._in_flight_handles.pop(handle, None)
-            if self._leases is not None:
-                self._leases.release(handle)
+            self._unsettled.settled(handle)
         for entry in entries:
             if entry.disposition is Disposition.COMMIT:
-                self._holds.pop(entry.delivery.message_id, None)
+                self._holds.forget(entry.delivery.message_id)
         earlier = len(lost - {entry.delivery.receipt_handle for entry in entries})
         if earlier:
             # Held-back deletes an earlier advance already counted as committed: correct the tally.
@@ -725,71 +601,58 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
             out.append(kept)
         return out
 
-    def _remember_hold(self, message_id: str) -> None:
-        self._holds[message_id] = self._holds.get(message_id, 0) + 1
-        self._holds.move_to_end(message_id)
-        while len(self._holds) > _HOLD_MEMORY:
-            self._holds.popitem(last=False)
-
-    async def _retrying(
+    async def _batch(
         self,
         what: str,
-        items: Sequence[Any],
-        call: Callable[[Sequence[Any]], Awaitable[dict[str, Any]]],
-    ) -> tuple[set[int], dict[int, dict[str, Any]]]:
+        call: Callable[..., Awaitable[dict[str, Any]]],
+        queue_url: str,
+        entries: Sequence[dict[str, Any]],
+    ) -> dict[int, dict[str, Any]]:
         """
-        Run a batch call over ``items`` (<= 10), retrying server-side failures.
+        One SQS batch call over ``entries`` (<= 10; their ``Id`` is added here), retrying the
+        entries that failed on the server side and calls that failed as a whole.
 
-        Returns ``(ok, sender_faults)``: indexes that succeeded, and per-entry client errors that a
-        retry cannot fix. Raises :class:`SqsAdvanceError` when server-side failures or call errors
-        remain after the retries.
+        Returns the per-entry client errors (``SenderFault``: a retry cannot fix them) by index.
+        Raises :class:`SqsAdvanceError` when server-side failures or call errors remain after the
+        retries.
         """
-        pending = list(range(len(items)))
-        ok: set[int] = set()
-        sender_faults: dict[int, dict[str, Any]] = {}
-        last_error = ""
-        for attempt in range(_ENTRY_RETRIES):
-            if attempt:
-                await asyncio.sleep(_RETRY_BASE_DELAY * 2 ** (attempt - 1))
+        faults: dict[int, dict[str, Any]] = {}
+
+        async def send(pending: list[int]) -> Retry[int]:
+            self.counters.add("api_calls")
             try:
-                self.counters.add("api_calls")
-                response = await call([items[i] for i in pending])
-            except (BotoCoreError, ClientError) as exc:
-                last_error = self._explain(exc, self.settings.queue_url)
-                continue
+                response = await call(
+                    QueueUrl=queue_url, Entries=[{"Id": str(i), **entries[index]} for i, index in enumerate(pending)]
+                )
+            except (boto.BotoCoreError, boto.ClientError) as exc:
+                return pending, self._explain(exc, self.settings.queue_url)
             retry: list[int] = []
-            for result in response.get("Successful") or []:
-                ok.add(pending[int(result["Id"])])
+            error = ""
             for failure in response.get("Failed") or []:
                 index = pending[int(failure["Id"])]
                 if failure.get("SenderFault"):
-                    sender_faults[index] = failure
+                    faults[index] = failure
                 else:
                     retry.append(index)
-                    last_error = f"{failure.get('Code')}: {failure.get('Message')}"
-            pending = retry
-            if not pending:
-                return ok, sender_faults
-        raise SqsAdvanceError(
-            f"SQS {what} on {self.settings.queue_url} still failing for {len(pending)} message(s) "
-            f"after {_ENTRY_RETRIES} attempts ({last_error}); not advanced, they come back after their "
-            "visibility timeout"
-        )
+                    error = f"{failure.get('Code')}: {failure.get('Message')}"
+            return retry, error
+
+        left, error = await retry_entries(range(len(entries)), send, attempts=_ENTRY_RETRIES, backoff=_ENTRY_BACKOFF)
+        if left:
+            raise SqsAdvanceError(
+                f"SQS {what} on {self.settings.queue_url} still failing for {len(left)} message(s) "
+                f"after {_ENTRY_RETRIES} attempts ({error}); not advanced, they come back after their "
+                "visibility timeout"
+            )
+        return faults
 
     async def _delete(self, deliveries: Sequence[SqsDelivery]) -> set[str]:
-        """Delete in batches of 10; return the receipt handles whose lease was gone (not deleted)."""
+        """COMMIT: delete in batches of 10; return the receipt handles whose lease was gone (not deleted)."""
         lost: set[str] = set()
         queue_url = self.settings.queue_url
-        for start in range(0, len(deliveries), SQS_BATCH):
-            chunk = deliveries[start : start + SQS_BATCH]
-
-            async def call(items: Sequence[SqsDelivery]) -> dict[str, Any]:
-                return await self._client.delete_message_batch(  # type: ignore[no-any-return]
-                    QueueUrl=queue_url,
-                    Entries=[{"Id": str(i), "ReceiptHandle": d.receipt_handle} for i, d in enumerate(items)],
-                )
-
-            _, faults = await self._retrying("DeleteMessageBatch", chunk, call)
+        for chunk in chunks(deliveries, SQS_BATCH):
+            entries = [{"ReceiptHandle": delivery.receipt_handle} for delivery in chunk]
+            faults = await self._batch("DeleteMessageBatch", self._client.delete_message_batch, queue_url, entries)
             for index, failure in faults.items():
                 delivery = chunk[index]
                 if failure.get("Code") in _LEASE_GONE_CODES:
@@ -809,7 +672,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         return lost
 
     async def _release(self, entries: Sequence[tuple[Decided[SqsDelivery], int]]) -> None:
-        """Set visibility (0 = redeliver now). Best-effort: a failed release only delays redelivery."""
+        """REDELIVER / HOLD: set visibility (0 = now). Best-effort: a failed release only delays redelivery."""
         try:
             await self._change_visibility(
                 [(entry.delivery.receipt_handle, seconds) for entry, seconds in entries], purpose="release"
@@ -820,37 +683,26 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
     async def _change_visibility(self, changes: Sequence[tuple[str, int]], *, purpose: str) -> list[str]:
         """ChangeMessageVisibilityBatch in chunks of 10; return the handles SQS refused as not in flight."""
         refused: list[str] = []
-        queue_url = self.settings.queue_url
-        for start in range(0, len(changes), SQS_BATCH):
-            chunk = changes[start : start + SQS_BATCH]
-
-            async def call(items: Sequence[tuple[str, int]]) -> dict[str, Any]:
-                return await self._client.change_message_visibility_batch(  # type: ignore[no-any-return]
-                    QueueUrl=queue_url,
-                    Entries=[
-                        {"Id": str(i), "ReceiptHandle": handle, "VisibilityTimeout": seconds}
-                        for i, (handle, seconds) in enumerate(items)
-                    ],
-                )
-
-            _, faults = await self._retrying(f"ChangeMessageVisibilityBatch ({purpose})", chunk, call)
+        for chunk in chunks(changes, SQS_BATCH):
+            entries = [{"ReceiptHandle": handle, "VisibilityTimeout": seconds} for handle, seconds in chunk]
+            faults = await self._batch(
+                f"ChangeMessageVisibilityBatch ({purpose})",
+                self._client.change_message_visibility_batch,
+                self.settings.queue_url,
+                entries,
+            )
             refused.extend(chunk[index][0] for index in faults)
         return refused
 
     async def _dead_letter(self, entries: Sequence[Decided[SqsDelivery]]) -> None:
-        """Send to the DLQ (all must succeed before any of them is deleted)."""
+        """DEAD_LETTER: send to the DLQ (all must succeed before any of them is deleted)."""
         dlq_url = self.settings.dlq_queue_url
         assert dlq_url is not None
-        for start in range(0, len(entries), SQS_BATCH):
-            chunk = entries[start : start + SQS_BATCH]
+        for chunk in chunks(entries, SQS_BATCH):
             records = [self._dead_letter_record(entry) for entry in chunk]
-
-            async def call(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
-                return await self._client.send_message_batch(  # type: ignore[no-any-return]
-                    QueueUrl=dlq_url, Entries=[{"Id": str(i), **record} for i, record in enumerate(items)]
-                )
-
-            _, faults = await self._retrying("SendMessageBatch (dead letter)", records, call)
+            faults = await self._batch(
+                "SendMessageBatch (dead letter)", self._client.send_message_batch, dlq_url, records
+            )
             if faults:
                 index, failure = next(iter(faults.items()))
                 raise SqsAdvanceError(
@@ -860,20 +712,17 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         self.log.info("SQS dead-lettered %d message(s) from %s to %s", len(entries), self.settings.queue_url, dlq_url)
 
     def _dead_letter_record(self, entry: Decided[SqsDelivery]) -> dict[str, Any]:
+        """The original body and message attributes, plus ``x-dead-letter-*`` while SQS's 10-attribute limit allows."""
         delivery = entry.delivery
-        attributes: dict[str, Any] = {}
-        for name, value in delivery.message_attributes.items():
-            kept = {k: v for k, v in value.items() if k in ("DataType", "StringValue", "BinaryValue")}
-            attributes[name] = kept
-        extra = (
-            (DEAD_LETTER_REASON, entry.decision.reason[:1024]),
-            (DEAD_LETTER_SOURCE, self.settings.queue_url),
-            (DEAD_LETTER_MESSAGE_ID, delivery.message_id),
+        attributes: dict[str, Any] = {
+            name: {k: v for k, v in value.items() if k in ("DataType", "StringValue", "BinaryValue")}
+            for name, value in delivery.message_attributes.items()
+        }
+        fields = dead_letter_fields(
+            reason=entry.decision.reason[:1024], source=self.settings.queue_url, message_id=delivery.message_id
         )
-        for name, text in extra:
-            if len(attributes) >= MAX_MESSAGE_ATTRIBUTES:
-                break
-            attributes.setdefault(name, {"DataType": "String", "StringValue": text})
+        extra = {name: {"DataType": "String", "StringValue": text} for name, text in fields.items()}
+        add_within_limit(attributes, extra, limit=MAX_MESSAGE_ATTRIBUTES, overwrite=False)
         record: dict[str, Any] = {"MessageBody": delivery.body}
         if attributes:
             record["MessageAttributes"] = attributes
@@ -886,37 +735,32 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
     async def _close(self) -> None:
         try:
             await self._cancel_receives()
-            if self._leases is not None:
-                await self._leases.stop()
+            await self._unsettled.stop()
             held_back = [delivery for deliveries in self._deferred.values() for delivery in deliveries]
             self._deferred.clear()
-            if held_back and self._client is not None and self.release_on_close:
-                # Accepted by every watcher, delete held back for the rest of its receive call.
-                try:
-                    await asyncio.wait_for(self._delete(held_back), timeout=_CLOSE_RELEASE_TIMEOUT)
+            releasing = self._client is not None and self.release_on_close
+            # Accepted by every watcher, delete held back for the rest of its receive call.
+            if held_back and releasing:
+                deleted = await best_effort(
+                    self._delete(held_back),
+                    self.log,
+                    "Could not delete %d accepted SQS message(s) on close; SQS delivers them again",
+                    len(held_back),
+                    timeout=_CLOSE_RELEASE_TIMEOUT,
+                )
+                if deleted:
                     for delivery in held_back:
-                        self._in_flight_handles.pop(delivery.receipt_handle, None)
-                except Exception as exc:
-                    self.log.warning(
-                        "Could not delete %d accepted SQS message(s) on close (%s); SQS delivers them again",
-                        len(held_back),
-                        exc,
-                    )
-            handles = list(self._in_flight_handles)
-            self._in_flight_handles.clear()
-            if handles and self._client is not None and self.release_on_close:
-                try:
-                    await asyncio.wait_for(
-                        self._change_visibility([(handle, 0) for handle in handles], purpose="release on close"),
-                        timeout=_CLOSE_RELEASE_TIMEOUT,
-                    )
-                except Exception as exc:
-                    self.log.warning(
-                        "Could not release %d in-flight SQS message(s) on close (%s); they come back after "
-                        "their visibility timeout",
-                        len(handles),
-                        exc,
-                    )
+                        self._unsettled.settled(delivery.receipt_handle)
+            handles = list(self._unsettled.drain())
+            if handles and releasing:
+                await best_effort(
+                    self._change_visibility([(handle, 0) for handle in handles], purpose="release on close"),
+                    self.log,
+                    "Could not release %d in-flight SQS message(s) on close; they come back after their "
+                    "visibility timeout",
+                    len(handles),
+                    timeout=_CLOSE_RELEASE_TIMEOUT,
+                )
         finally:
             self._client = None
             stack, self._stack = self._stack, None

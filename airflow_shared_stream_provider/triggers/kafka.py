@@ -25,15 +25,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from collections.abc import Sequence
+from typing import ClassVar, Literal, Unpack
 
-from airflow_shared_stream_provider._core.dispositions import DEFAULT_MAX_DELIVERY_ATTEMPTS
-from airflow_shared_stream_provider._core.envelope import DEFAULT_MAX_PAYLOAD_BYTES, OversizePolicy
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
-from airflow_shared_stream_provider._core.filtering import FilterErrorPolicy
 from airflow_shared_stream_provider._core.settings import StreamSettings
-from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
+from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
 
 PartialAssignmentPolicy = Literal["fail", "warn"]
 
@@ -75,7 +72,7 @@ class KafkaStreamSettings(StreamSettings):
             )
 
     def effective_group_id(self) -> str:
-        """The consumer group: ``group_id`` if set, else one derived from connection and topics."""
+        """``group_id`` if set, else the derived group (used when the connection has no ``group.id``)."""
         if self.group_id:
             return self.group_id
         return f"airflow-shared-stream.{self.kafka_config_id}.{'+'.join(self.topics)}"
@@ -93,18 +90,22 @@ class KafkaSharedStreamTrigger(SharedStreamTrigger):
     :param topics: topics to read (order does not matter).
     :param kafka_config_id: Airflow connection of the upstream Kafka provider's shape (extras in
         librdkafka style: ``bootstrap.servers``, ``security.protocol``, ``sasl.*``, ``ssl.*``...).
-    :param group_id: consumer group; default ``airflow-shared-stream.<conn>.<topics>``. Overrides
-        the connection's ``group.id``.
+    :param group_id: consumer group. Precedence: this ``group_id``, else the connection's
+        ``group.id`` (the one the upstream Kafka provider requires, so a migrated stream keeps its
+        group and committed offsets), else ``airflow-shared-stream.<conn>.<topics>``. The
+        connection's value is read when the stream opens in the triggerer: changing it takes
+        effect when the stream restarts (e.g. a triggerer restart). Two streams of one triggerer
+        that resolve to one group on overlapping topics fail with ``SharedStreamConfigError``.
     :param dlq_topic: topic that receives rejected and poison messages (original key, value and
         headers plus ``x-dead-letter-*`` headers). Without it they are committed past and logged
         with their coordinates (they stay in the source topic until retention).
-    :param match: per-watcher filter on envelope paths, e.g. ``{"body.region": ["eu", "uk"]}``.
-    :param filter_function: dotted path of ``f(envelope) -> bool`` (may raise ``RejectMessage``).
-    :param on_filter_error: what a filter exception does: ``reject`` (default), ``skip``, ``fail``.
-    :param max_payload_bytes: cap of the event payload stored in the metadata DB (default 65536).
-    :param oversize_policy: ``dead_letter`` (default) or ``truncate`` for larger messages.
+
+    Also takes the options every shared-stream trigger takes (``match``, ``filter_function``,
+    ``on_filter_error``, ``flush_after``, ``max_payload_bytes``, ``oversize_policy``,
+    ``max_in_flight``, ``batch_size``, ``batch_timeout``; see
+    :class:`~airflow_shared_stream_provider._core.trigger.SharedStreamOptions`) and:
+
     :param max_delivery_attempts: poison cap, counted per consumer session (default 5, None = off).
-    :param max_in_flight: most messages yielded but not yet committed (default 10000).
     :param poll_timeout: seconds one fetch waits for data (default 1.0).
     :param max_batch_size: most records per fetch (default 500).
     :param on_partial_assignment: ``fail`` (default) or ``warn`` when the group gives this consumer
@@ -125,36 +126,24 @@ class KafkaSharedStreamTrigger(SharedStreamTrigger):
         kafka_config_id: str = "kafka_default",
         group_id: str | None = None,
         dlq_topic: str | None = None,
-        match: Mapping[str, Any] | None = None,
-        filter_function: str | None = None,
-        on_filter_error: FilterErrorPolicy = "reject",
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-        oversize_policy: OversizePolicy = "dead_letter",
-        max_delivery_attempts: int | None = DEFAULT_MAX_DELIVERY_ATTEMPTS,
-        max_in_flight: int = 10_000,
         poll_timeout: float = 1.0,
         max_batch_size: int = 500,
         on_partial_assignment: PartialAssignmentPolicy = "fail",
         partial_assignment_grace: float = 30.0,
         hold_backoff: float = 1.0,
+        **options: Unpack[SharedStreamOptions],
     ) -> None:
         if isinstance(topics, str):
             raise SharedStreamConfigError(f"topics must be a list of topic names, got the string {topics!r}")
-        settings = KafkaStreamSettings(
+        super().__init__(
             topics=tuple(sorted(set(topics))),
             kafka_config_id=kafka_config_id,
             group_id=group_id,
             dlq_topic=dlq_topic,
-            max_payload_bytes=max_payload_bytes,
-            oversize_policy=oversize_policy,
-            max_delivery_attempts=max_delivery_attempts,
-            max_in_flight=max_in_flight,
             poll_timeout=poll_timeout,
             max_batch_size=max_batch_size,
             on_partial_assignment=on_partial_assignment,
             partial_assignment_grace=partial_assignment_grace,
             hold_backoff=hold_backoff,
-        )
-        super().__init__(
-            settings=settings, match=match, filter_function=filter_function, on_filter_error=on_filter_error
+            **options,
         )

@@ -31,15 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
-from typing import Any, ClassVar, Final, Literal
+from typing import ClassVar, Final, Literal, Unpack
 
-from airflow_shared_stream_provider._core.dispositions import DEFAULT_MAX_DELIVERY_ATTEMPTS
-from airflow_shared_stream_provider._core.envelope import DEFAULT_MAX_PAYLOAD_BYTES, OversizePolicy
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
-from airflow_shared_stream_provider._core.filtering import FilterErrorPolicy
 from airflow_shared_stream_provider._core.settings import StreamSettings
-from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
+from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
 
 DEFAULT_MAX_MESSAGES: Final = 100
 DEFAULT_PULL_TIMEOUT: Final = 5.0
@@ -179,14 +175,14 @@ class PubSubSharedStreamTrigger(SharedStreamTrigger):
         that receives rejected and poison messages: original data and attributes plus
         ``x-dead-letter-*`` attributes, then the original is acked. Without it such messages are
         nacked so the subscription's own dead-letter policy takes them.
-    :param match: per-watcher filter on envelope paths, e.g. ``{"attributes.region": "eu"}``.
-    :param filter_function: dotted path of ``f(envelope) -> bool`` (may raise ``RejectMessage``).
-    :param on_filter_error: what a filter exception does: ``reject`` (default), ``skip``, ``fail``.
-    :param max_payload_bytes: cap of the event payload stored in the metadata DB (default 65536).
-    :param oversize_policy: ``dead_letter`` (default) or ``truncate`` for larger messages.
+
+    Also takes the options every shared-stream trigger takes (``match``, ``filter_function``,
+    ``on_filter_error``, ``flush_after``, ``max_payload_bytes``, ``oversize_policy``,
+    ``max_in_flight``, ``batch_size``, ``batch_timeout``; see
+    :class:`~airflow_shared_stream_provider._core.trigger.SharedStreamOptions`) and:
+
     :param max_delivery_attempts: poison cap (default 5, None = off). Counted by Pub/Sub when the
         subscription has a dead-letter policy (``delivery_attempt``), else by this producer.
-    :param max_in_flight: most messages pulled but not yet acked/nacked (default 10000).
     :param max_messages: most messages per pull (default 100, at most 1000).
     :param pull_timeout: seconds one pull may wait for messages (default 5.0).
     :param ack_deadline_seconds: ack deadline requested each time the lease of a message still
@@ -206,17 +202,11 @@ class PubSubSharedStreamTrigger(SharedStreamTrigger):
         project_id: str | None = None,
         gcp_conn_id: str = "google_cloud_default",
         dead_letter_topic: str | None = None,
-        match: Mapping[str, Any] | None = None,
-        filter_function: str | None = None,
-        on_filter_error: FilterErrorPolicy = "reject",
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-        oversize_policy: OversizePolicy = "dead_letter",
-        max_delivery_attempts: int | None = DEFAULT_MAX_DELIVERY_ATTEMPTS,
-        max_in_flight: int = 10_000,
         max_messages: int = DEFAULT_MAX_MESSAGES,
         pull_timeout: float = DEFAULT_PULL_TIMEOUT,
         ack_deadline_seconds: int = DEFAULT_ACK_DEADLINE_SECONDS,
         ack_flush_interval: float = DEFAULT_ACK_FLUSH_INTERVAL,
+        **options: Unpack[SharedStreamOptions],
     ) -> None:
         if not isinstance(subscription, str) or not subscription.strip():
             raise SharedStreamConfigError(f"subscription must be a non-empty string, got {subscription!r}")
@@ -233,20 +223,14 @@ class PubSubSharedStreamTrigger(SharedStreamTrigger):
         if dead_letter_topic is not None and isinstance(dead_letter_topic, str) and project is not None:
             topic_project, topic_name = split_topic(dead_letter_topic)
             dead_letter_topic = f"projects/{topic_project or project}/topics/{topic_name}"
-        settings = PubSubStreamSettings(
+        super().__init__(
             subscription=subscription,
             project_id=project_id,
             gcp_conn_id=gcp_conn_id,
             dead_letter_topic=dead_letter_topic,
-            max_payload_bytes=max_payload_bytes,
-            oversize_policy=oversize_policy,
-            max_delivery_attempts=max_delivery_attempts,
-            max_in_flight=max_in_flight,
             max_messages=max_messages,
             pull_timeout=pull_timeout,
             ack_deadline_seconds=ack_deadline_seconds,
             ack_flush_interval=ack_flush_interval,
-        )
-        super().__init__(
-            settings=settings, match=match, filter_function=filter_function, on_filter_error=on_filter_error
+            **options,
         )

@@ -55,15 +55,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal, Unpack
 
-from airflow_shared_stream_provider._core.dispositions import DEFAULT_MAX_DELIVERY_ATTEMPTS
-from airflow_shared_stream_provider._core.envelope import DEFAULT_MAX_PAYLOAD_BYTES, OversizePolicy
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
-from airflow_shared_stream_provider._core.filtering import FilterErrorPolicy
 from airflow_shared_stream_provider._core.settings import StreamSettings
-from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
+from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
 
 DEFAULT_CONN_ID = "azure_service_bus_default"
 DEFAULT_MAX_CONCURRENT_SESSIONS = 8
@@ -174,15 +170,15 @@ class ServiceBusSharedStreamTrigger(SharedStreamTrigger):
     :param azure_service_bus_conn_id: Airflow connection of the upstream ``azure_service_bus``
         shape: connection string in *schema* (or extra ``connection_string``), or extra
         ``fully_qualified_namespace`` with ``DefaultAzureCredential``.
-    :param match: per-watcher filter on envelope paths, e.g. ``{"attributes.type": "order"}``.
-    :param filter_function: dotted path of ``f(envelope) -> bool`` (may raise ``RejectMessage``).
-    :param on_filter_error: what a filter exception does: ``reject`` (default), ``skip``, ``fail``.
-    :param max_payload_bytes: cap of the event payload stored in the metadata DB (default 65536).
-    :param oversize_policy: ``dead_letter`` (default) or ``truncate`` for larger messages.
+
+    Also takes the options every shared-stream trigger takes (``match``, ``filter_function``,
+    ``on_filter_error``, ``flush_after``, ``max_payload_bytes``, ``oversize_policy``,
+    ``max_in_flight``, ``batch_size``, ``batch_timeout``; see
+    :class:`~airflow_shared_stream_provider._core.trigger.SharedStreamOptions`) and:
+
     :param max_delivery_attempts: poison cap: a failed message whose ``delivery_count + 1`` reached
         it is dead-lettered instead of abandoned (default 5; None leaves it to the entity's
         ``MaxDeliveryCount``).
-    :param max_in_flight: most messages received but not yet settled (default 10000).
     :param prefetch_count: messages the SDK receives ahead of a call (default 100; 0 = none). They
         are locked while buffered: keep it well below what the group handles in one lock duration.
     :param max_message_count: most messages one receive call returns (default 100).
@@ -210,13 +206,6 @@ class ServiceBusSharedStreamTrigger(SharedStreamTrigger):
         topic_name: str | None = None,
         subscription_name: str | None = None,
         azure_service_bus_conn_id: str = DEFAULT_CONN_ID,
-        match: Mapping[str, Any] | None = None,
-        filter_function: str | None = None,
-        on_filter_error: FilterErrorPolicy = "reject",
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-        oversize_policy: OversizePolicy = "dead_letter",
-        max_delivery_attempts: int | None = DEFAULT_MAX_DELIVERY_ATTEMPTS,
-        max_in_flight: int = 10_000,
         prefetch_count: int = 100,
         max_message_count: int = 100,
         max_wait_time: float = 5.0,
@@ -224,16 +213,13 @@ class ServiceBusSharedStreamTrigger(SharedStreamTrigger):
         sessions: bool = False,
         max_concurrent_sessions: int = DEFAULT_MAX_CONCURRENT_SESSIONS,
         session_idle_timeout: float = DEFAULT_SESSION_IDLE_TIMEOUT,
+        **options: Unpack[SharedStreamOptions],
     ) -> None:
-        settings = ServiceBusStreamSettings(
+        super().__init__(
             queue_name=queue_name,
             topic_name=topic_name,
             subscription_name=subscription_name,
             azure_service_bus_conn_id=azure_service_bus_conn_id,
-            max_payload_bytes=max_payload_bytes,
-            oversize_policy=oversize_policy,
-            max_delivery_attempts=max_delivery_attempts,
-            max_in_flight=max_in_flight,
             prefetch_count=prefetch_count,
             max_message_count=max_message_count,
             max_wait_time=max_wait_time,
@@ -241,7 +227,5 @@ class ServiceBusSharedStreamTrigger(SharedStreamTrigger):
             sessions=sessions,
             max_concurrent_sessions=max_concurrent_sessions,
             session_idle_timeout=session_idle_timeout,
-        )
-        super().__init__(
-            settings=settings, match=match, filter_function=filter_function, on_filter_error=on_filter_error
+            **options,
         )

@@ -27,15 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
-from typing import Any, ClassVar, Final, Literal
+from typing import ClassVar, Final, Literal, Unpack
 
-from airflow_shared_stream_provider._core.dispositions import DEFAULT_MAX_DELIVERY_ATTEMPTS
-from airflow_shared_stream_provider._core.envelope import DEFAULT_MAX_PAYLOAD_BYTES, OversizePolicy
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
-from airflow_shared_stream_provider._core.filtering import FilterErrorPolicy
 from airflow_shared_stream_provider._core.settings import StreamSettings
-from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
+from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
 
 MAX_VISIBILITY_TIMEOUT: Final = 43_200  # SQS: 12 hours
 MAX_WAIT_TIME_SECONDS: Final = 20  # SQS long polling limit
@@ -149,13 +145,13 @@ class SqsSharedStreamTrigger(SharedStreamTrigger):
         message attributes plus ``x-dead-letter-reason``), which are then deleted. Without it they
         stay in the queue, invisible for ``reject_backoff`` seconds at a time (never deleted, never
         lost; a RedrivePolicy on the queue moves them to its own DLQ).
-    :param match: per-watcher filter on envelope paths, e.g. ``{"attributes.type": "order"}``.
-    :param filter_function: dotted path of ``f(envelope) -> bool`` (may raise ``RejectMessage``).
-    :param on_filter_error: what a filter exception does: ``reject`` (default), ``skip``, ``fail``.
-    :param max_payload_bytes: cap of the event payload stored in the metadata DB (default 65536).
-    :param oversize_policy: ``dead_letter`` (default) or ``truncate`` for larger messages.
+
+    Also takes the options every shared-stream trigger takes (``match``, ``filter_function``,
+    ``on_filter_error``, ``flush_after``, ``max_payload_bytes``, ``oversize_policy``,
+    ``max_in_flight``, ``batch_size``, ``batch_timeout``; see
+    :class:`~airflow_shared_stream_provider._core.trigger.SharedStreamOptions`) and:
+
     :param max_delivery_attempts: poison cap on ``ApproximateReceiveCount`` (default 5, None = off).
-    :param max_in_flight: most messages received but not yet deleted/released (default 10000).
     :param wait_time_seconds: long-polling wait of one receive call, 0-20 (default 20).
     :param visibility_timeout: lease requested on receive and on each extension, seconds
         (default 30). Also how long after a triggerer crash its messages come back.
@@ -177,34 +173,22 @@ class SqsSharedStreamTrigger(SharedStreamTrigger):
         aws_conn_id: str | None = "aws_default",
         region_name: str | None = None,
         dlq_queue_url: str | None = None,
-        match: Mapping[str, Any] | None = None,
-        filter_function: str | None = None,
-        on_filter_error: FilterErrorPolicy = "reject",
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-        oversize_policy: OversizePolicy = "dead_letter",
-        max_delivery_attempts: int | None = DEFAULT_MAX_DELIVERY_ATTEMPTS,
-        max_in_flight: int = 10_000,
         wait_time_seconds: int = 20,
         visibility_timeout: int = 30,
         concurrent_receives: int = 1,
         hold_backoff: int = 1,
         reject_backoff: int = 300,
+        **options: Unpack[SharedStreamOptions],
     ) -> None:
-        settings = SqsStreamSettings(
+        super().__init__(
             queue_url=queue_url,
             aws_conn_id=aws_conn_id,
             region_name=region_name,
             dlq_queue_url=dlq_queue_url,
-            max_payload_bytes=max_payload_bytes,
-            oversize_policy=oversize_policy,
-            max_delivery_attempts=max_delivery_attempts,
-            max_in_flight=max_in_flight,
             wait_time_seconds=wait_time_seconds,
             visibility_timeout=visibility_timeout,
             concurrent_receives=concurrent_receives,
             hold_backoff=hold_backoff,
             reject_backoff=reject_backoff,
-        )
-        super().__init__(
-            settings=settings, match=match, filter_function=filter_function, on_filter_error=on_filter_error
+            **options,
         )

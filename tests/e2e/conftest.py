@@ -3,14 +3,20 @@ End-to-end fixtures: one real Airflow (SQLite, dag-processor, triggerer, schedul
 one Kafka-compatible broker (Tansu) for the whole session; the tests publish to the same ``orders``
 stream one after another and assert on what they published (message ids are unique per offset).
 
+``kafka_airflow`` (indirect parameter ``"sqlite"`` or ``"postgres"``) gives a test either that
+session Airflow or, for ``"postgres"``, a second one of its own on a throwaway PostgreSQL 15
+(``devkit.postgres``) with its own Tansu, started for that test and stopped right after it.
+
 ``KAFKA_BOOTSTRAP_SERVERS`` points the suite at an existing broker instead of Tansu.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,6 +32,7 @@ from devkit.demo import (
     build_dags_folder,
     kafka_connection,
 )
+from devkit.postgres import FAST_SETTINGS, PostgresServer
 
 E2E_DAGS = Path(__file__).parent / "dags"
 PRIORITY_WATCHER = "kafka_orders_priority"
@@ -62,8 +69,15 @@ def output_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("orders-output")
 
 
-@pytest.fixture(scope="session")
-def airflow(orders: KafkaOrders, output_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowEnv]:
+@contextlib.contextmanager
+def running_airflow(
+    orders: KafkaOrders,
+    output_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    *,
+    sql_alchemy_conn: str | None = None,
+    parallelism: int = 4,
+) -> Iterator[AirflowEnv]:
     """Airflow with the example Kafka Dags plus a fifth watcher whose filter raises, all unpaused."""
     dags = build_dags_folder(
         tmp_path_factory.mktemp("dags"), extra=[E2E_DAGS / "e2e_filters.py", E2E_DAGS / "e2e_priority_orders.py"]
@@ -74,6 +88,8 @@ def airflow(orders: KafkaOrders, output_dir: Path, tmp_path_factory: pytest.Temp
         env={"ORDERS_OUTPUT_DIR": str(output_dir), "ORDERS_SPARK_CONN_ID": "spark_orders"},
         triggerer={"shared_stream_cohort_grace_period": 2.0, "shared_stream_ack_timeout": 120.0},
         home=tmp_path_factory.mktemp("airflow-home"),
+        sql_alchemy_conn=sql_alchemy_conn,
+        parallelism=parallelism,
     )
     with env:
         env.wait_for_dags(ALL_DAGS)
@@ -82,3 +98,58 @@ def airflow(orders: KafkaOrders, output_dir: Path, tmp_path_factory: pytest.Temp
         yield env
         if os.environ.get("E2E_SHOW_LOGS"):
             print(env.log_tails(200))
+
+
+@pytest.fixture(scope="session")
+def airflow(orders: KafkaOrders, output_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowEnv]:
+    with running_airflow(orders, output_dir, tmp_path_factory) as env:
+        yield env
+
+
+@dataclass(frozen=True)
+class KafkaAirflow:
+    """One Airflow and the Kafka ``orders`` stream its watchers read."""
+
+    db: str
+    env: AirflowEnv
+    orders: KafkaOrders
+
+
+@pytest.fixture
+def airflow_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaAirflow]:
+    """
+    The same Airflow as ``airflow`` on a throwaway PostgreSQL 15, with its own Tansu (the example
+    Dags' topic and consumer group are fixed: a shared broker would put both Airflows' consumers in
+    one group). Function-scoped: it runs next to the session Airflow only for its own test.
+    Durability is off (``FAST_SETTINGS``): the commit-after-persist check reads what the server
+    answers, which fsync does not change.
+    """
+    broker = start_kafka()
+    try:
+        orders = KafkaOrders(broker.address)
+        orders.create_topics()
+        with (
+            PostgresServer(settings=FAST_SETTINGS) as pg,
+            running_airflow(
+                orders,
+                tmp_path_factory.mktemp("orders-output-pg"),
+                tmp_path_factory,
+                sql_alchemy_conn=pg.url,
+                parallelism=2,
+            ) as env,
+        ):
+            yield KafkaAirflow("postgres", env, orders)
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def kafka_airflow(request: pytest.FixtureRequest) -> KafkaAirflow:
+    """Indirect parameter ``"sqlite"`` (the session Airflow) or ``"postgres"`` (``airflow_postgres``)."""
+    db = str(request.param)
+    if db == "sqlite":
+        return KafkaAirflow("sqlite", request.getfixturevalue("airflow"), request.getfixturevalue("orders"))
+    if db == "postgres":
+        stack: KafkaAirflow = request.getfixturevalue("airflow_postgres")
+        return stack
+    raise ValueError(f"kafka_airflow: unknown metadata DB {db!r}")

@@ -6,7 +6,7 @@ messages it published itself:
 
 1. every matching message becomes an asset event of each matching watcher, the triggerer runs ONE
    shared-stream group for the five watchers, and a committed offset never passes a message whose
-   events are not in the metadata DB yet;
+   events are not in the metadata DB yet: on SQLite and again on PostgreSQL 15 (its own Airflow);
 2. bad input (malformed JSON, undecodable bytes, an oversize message, a filter that raises) ends
    as documented (dead-lettered, the right events still fire) and the triggerer keeps running;
 3. ``kill -9`` of the triggerer at random points of a stream loses nothing (figures printed);
@@ -43,7 +43,7 @@ from devkit.demo import (
     spark_message_ids,
     spark_revenue,
 )
-from tests.e2e.conftest import ALL_WATCHERS, PRIORITY_WATCHER
+from tests.e2e.conftest import ALL_WATCHERS, PRIORITY_WATCHER, KafkaAirflow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.timeout(900)]
 
@@ -166,7 +166,9 @@ def since(orders: KafkaOrders, start: int) -> list[Published]:
 
 
 # -- the tests -------------------------------------------------------------------------------------
-def test_watchers_share_one_consumer_and_commit_only_after_persist(airflow: AirflowEnv, orders: KafkaOrders) -> None:
+@pytest.mark.parametrize("kafka_airflow", ["sqlite", "postgres"], indirect=True)
+def test_watchers_share_one_consumer_and_commit_only_after_persist(kafka_airflow: KafkaAirflow) -> None:
+    airflow, orders = kafka_airflow.env, kafka_airflow.orders
     start = len(orders.published)
     messages = sample_orders(150, seed=1, prefix="happy-")
     messages += [make_order(f"happy-prio-{i}", "us", 42.0 + i, messages_time(i), priority="high") for i in range(5)]

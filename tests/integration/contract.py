@@ -133,6 +133,61 @@ class ContractSuite:
         encodings = sorted(p["body_encoding"] for p in runner.persisted[1])
         assert encodings == ["base64", "text"]
 
+    # -- batch mode (batch_size > 1): one event per batch, every guarantee per message ----------
+    async def test_batch_mode_delivers_every_message_in_batches_and_settles(self, adapter: BrokerAdapter) -> None:
+        bodies = orders(40)
+        await adapter.publish(bodies)
+        manager = SharedStreamManager(ack_timeout=60)
+        async with RunnerSim(manager, confirm_interval=0.05) as runner:
+            runner.add(1, adapter.make_trigger(batch_size=25, batch_timeout=0.3))
+            runner.add(2, adapter.make_trigger(batch_size=25, batch_timeout=0.3, match={"body.region": "eu"}))
+            await wait_until(lambda: len(batched(runner, 1)) >= 40, timeout=self.settle_timeout, what="40 messages")
+            await wait_until_settled(adapter, timeout=self.settle_timeout)
+            assert not runner.failures
+        assert sorted(e["body"]["order_id"] for e in batched(runner, 1)) == list(range(40))
+        assert sorted(e["body"]["order_id"] for e in batched(runner, 2)) == [i for i in range(40) if i % 3 == 0]
+        assert all(set(payload) == {"messages"} for payload in runner.persisted[1])
+        assert runner.count(1) < 40, "a backlog must fill batches: fewer events than messages"
+        assert all(len(payload["messages"]) <= 25 for payload in runner.persisted[1])
+        assert all(e["broker"] == adapter.broker for e in batched(runner, 1))
+
+    async def test_batch_mode_dead_letters_a_rejected_message_alone(self, adapter: BrokerAdapter) -> None:
+        good = orders(6)
+        bad = [json.dumps({"order_id": 100 + i, "bad": True}).encode() for i in range(2)]
+        await adapter.publish(good[:3] + bad + good[3:])
+        manager = SharedStreamManager(ack_timeout=60)
+        async with RunnerSim(manager, confirm_interval=0.05) as runner:
+            options = {"batch_size": 50, "batch_timeout": 0.5}
+            runner.add(1, adapter.make_trigger(filter_function="tests.integration.contract.reject_flagged", **options))
+            runner.add(2, adapter.make_trigger(**options))
+            await wait_until_settled(adapter, timeout=self.settle_timeout)
+            await wait_until_async(lambda: _count_at_least(adapter, 2), timeout=self.settle_timeout)
+        assert sorted(await adapter.dead_lettered()) == sorted(bad)
+        assert sorted(e["body"]["order_id"] for e in batched(runner, 1)) == list(range(6))
+        assert len(batched(runner, 2)) == 8
+
+    async def test_batch_mode_crash_before_persistence_redelivers_the_batch(self, adapter: BrokerAdapter) -> None:
+        await adapter.publish(orders(10))
+        options = {"batch_size": 50, "batch_timeout": 0.3}
+        async with RunnerSim(SharedStreamManager(ack_timeout=60)) as runner:  # nothing confirmed
+            runner.add(1, adapter.make_trigger(**options))
+            await wait_until(lambda: pending_messages(runner) >= 10, timeout=self.settle_timeout, what="10 pending")
+            assert await adapter.unsettled() == 10, "settled before the batch event was persisted"
+            runner.crash()
+        async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
+            runner.add(1, adapter.make_trigger(**options))
+            await wait_until_settled(adapter, timeout=self.settle_timeout)
+        assert sorted({e["body"]["order_id"] for e in batched(runner, 1)}) == list(range(10))
+
+
+def batched(runner: RunnerSim, trigger_id: int) -> list[dict[str, Any]]:
+    """The envelopes a watcher's persisted batch events carried, in order."""
+    return [envelope for payload in runner.persisted.get(trigger_id, []) for envelope in payload["messages"]]
+
+
+def pending_messages(runner: RunnerSim) -> int:
+    return sum(len(item.event.payload["messages"]) for item in runner.pending)
+
 
 async def _count_at_least(adapter: BrokerAdapter, count: int) -> bool:
     return len(await adapter.dead_lettered()) >= count

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from airflow_shared_stream_provider._core.dispositions import Decision, decide
 from airflow_shared_stream_provider._core.envelope import StreamMessage
-from airflow_shared_stream_provider._core.producer import Decided, _with_recorded_failures
+from airflow_shared_stream_provider._core.producer import Decided, message_outcome
 from devkit.memory import (
     MemoryDelivery,
     MemoryMessage,
@@ -69,7 +69,7 @@ def test_advance_decides_and_counts_like_decide(
         batch.append(AdvanceItem(MemoryDelivery(message, attempt, raw), outcome))
         expected.append(
             decide(
-                _with_recorded_failures(outcome, message),
+                message_outcome(outcome, message),
                 delivery_attempt=attempt,
                 max_delivery_attempts=3,
                 rejections=rejections,

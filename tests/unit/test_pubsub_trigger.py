@@ -35,6 +35,8 @@ CHANGED: dict[str, Any] = {
     "oversize_policy": "truncate",
     "max_delivery_attempts": 9,
     "max_in_flight": 500,
+    "batch_size": 100,
+    "batch_timeout": 2.0,
     "max_messages": 10,
     "pull_timeout": 2.5,
     "ack_deadline_seconds": 120,

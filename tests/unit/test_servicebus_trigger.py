@@ -47,6 +47,8 @@ ALTERNATIVES: dict[str, Any] = {
     "oversize_policy": "truncate",
     "max_delivery_attempts": 9,
     "max_in_flight": 50,
+    "batch_size": 100,
+    "batch_timeout": 2.0,
     "queue_name": "other-queue",
     "topic_name": None,  # covered by the topic/subscription pair below
     "subscription_name": None,

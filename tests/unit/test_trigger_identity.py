@@ -58,6 +58,8 @@ _ALTERNATIVES: dict[str, Any] = {
     "oversize_policy": "truncate",
     "max_delivery_attempts": 9,
     "max_in_flight": 5,
+    "batch_size": 100,
+    "batch_timeout": 2.0,
 }
 
 
