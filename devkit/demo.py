@@ -5,15 +5,18 @@ On embedded defaults (no Docker, no network) it starts a Kafka-compatible broker
 the ``orders`` topic (3 partitions) and its dead-letter topic, starts a throwaway Airflow (SQLite,
 ``db migrate``, dag-processor, triggerer, scheduler, api-server), unpauses the example Dags of
 ``example_dags/example_kafka_orders.py``, publishes a stream of sample orders (some malformed) and
-shows live progress: messages published, asset events per watcher, Dag runs by state, rows written
+shows live progress: messages published, messages delivered per watcher, Dag runs by state, rows written
 by the PySpark pipeline, the consumer group's committed offsets and the DLQ count. It ends with a
 summary and stops every process it started (``--keep`` leaves them running until Ctrl-C).
 
 Works without a TTY (plain progress lines instead of the live table). Options: ``--messages N``,
 ``--rate R`` (messages per second), ``--spark local|standalone|connect`` (where the PySpark task
 runs; see :mod:`devkit.spark_cluster`), ``--broker kafka|sqs|pubsub`` (a moto server or Google's
-Pub/Sub emulator and that broker's example Dags; see :mod:`devkit.demo_streams`), ``--keep``,
-``--timeout S``.
+Pub/Sub emulator and that broker's example Dags; see :mod:`devkit.demo_streams`), ``--batch-size N``
+(the triggers' ``batch_size``: up to N messages per asset event), ``--keep``, ``--timeout S``.
+
+No "flush" message is published at the end: the watcher that feeds the PySpark pipeline has
+``flush_after``, whose marker event brings the tail of the burst into a run (Airflow 3.3).
 
 The scenario helpers (:func:`sample_orders`, :func:`expected_watchers`, :class:`KafkaOrders`) are
 reused by ``tests/e2e``.
@@ -183,9 +186,22 @@ def expected_revenue(messages: Iterable[OrderMessage]) -> dict[tuple[str, str], 
     return {key: (orders, round(revenue, 2)) for key, (orders, revenue) in totals.items()}
 
 
-def flush_order(index: int = 0) -> OrderMessage:
-    """A valid order of amount 0 (changes no revenue): sent to flush the tail of a burst into a run."""
-    return make_order(f"flush-{index:06d}", "eu", 0.0, datetime(2026, 1, 1, 12, 0, tzinfo=UTC))
+def delivered_messages(env: AirflowEnv, watchers: Iterable[str]) -> dict[str, int]:
+    """
+    ``watcher -> messages its asset events carried``: one per event in the default mode, the length
+    of ``messages`` in batch mode; ``flush_after`` markers carry none.
+    """
+    wanted = set(watchers)
+    counts = dict.fromkeys(wanted, 0)
+    for event in env.asset_events():
+        name = str(event["name"])
+        extra = event.get("extra")
+        payload = extra.get("payload") if isinstance(extra, dict) else None
+        if name not in wanted or not isinstance(payload, dict) or payload.get("marker"):
+            continue
+        messages = payload.get("messages")
+        counts[name] += len(messages) if isinstance(messages, list) else 1
+    return counts
 
 
 # -- Spark output ---------------------------------------------------------------------------------
@@ -269,7 +285,9 @@ def render_table(snapshot: Snapshot, stream: DemoStream[Any]) -> Any:
     table.add_row("messages published", str(snapshot.published), f"{stream.broker} {stream.source_label}")
     for name in stream.watchers:
         table.add_row(
-            f"asset events {name}", str(snapshot.events.get(name, 0)), f"expected {snapshot.expected.get(name, 0)}"
+            f"messages delivered {name}",
+            str(snapshot.events.get(name, 0)),
+            f"expected {snapshot.expected.get(name, 0)}",
         )
     for dag_id in stream.consumer_dags:
         states = snapshot.runs.get(dag_id, {})
@@ -321,7 +339,7 @@ def run_demo(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="shared-stream-demo-"))
     output_dir = workdir / "output"
     stream = STREAMS[args.broker]()
-    watchers, consumer_dags, spark_dag = stream.watchers, stream.consumer_dags, stream.spark_dag
+    watchers, consumer_dags = stream.watchers, stream.consumer_dags
     valid_watcher = stream.watcher_name("kafka_orders_valid")
     env: AirflowEnv | None = None
     spark_cluster: SparkCluster | None = None
@@ -351,7 +369,12 @@ def run_demo(args: argparse.Namespace) -> int:
         env = AirflowEnv(
             dags,
             connections={**stream.connections(), "spark_orders": spark_connection},
-            env={"ORDERS_OUTPUT_DIR": str(output_dir), "ORDERS_SPARK_CONN_ID": "spark_orders", **stream.dag_env()},
+            env={
+                "ORDERS_OUTPUT_DIR": str(output_dir),
+                "ORDERS_SPARK_CONN_ID": "spark_orders",
+                "ORDERS_BATCH_SIZE": str(args.batch_size),
+                **stream.dag_env(),
+            },
             triggerer={"shared_stream_cohort_grace_period": 2.0, "shared_stream_ack_timeout": 120.0},
             home=workdir / "airflow-home",
             startup_timeout=args.timeout,
@@ -382,7 +405,6 @@ def run_demo(args: argparse.Namespace) -> int:
         publisher.start()
 
         deadline = time.monotonic() + args.timeout + len(messages) / max(args.rate, 0.1)
-        flushed = False
         snapshot: Snapshot | None = None
 
         def take() -> Snapshot:
@@ -391,7 +413,7 @@ def run_demo(args: argparse.Namespace) -> int:
             return Snapshot(
                 elapsed=time.monotonic() - started,
                 published=stream.published,
-                events={name: count for name, count in env_.asset_event_counts().items() if name in watchers},
+                events=delivered_messages(env_, watchers),
                 expected=expected,
                 runs={dag_id: env_.dag_run_states(dag_id) for dag_id in consumer_dags},
                 spark_rows=spark_output_rows(output_dir / args.broker),
@@ -407,27 +429,18 @@ def run_demo(args: argparse.Namespace) -> int:
                 and all(s.events.get(n, 0) >= expected[n] for n in watchers)
                 and s.settlement.complete
                 and s.dlq >= expected_dlq
-                and flushed
                 and runs_idle
                 and s.spark_rows.get("order_lines", 0) >= expected[valid_watcher]
             )
 
         def step() -> Snapshot:
-            nonlocal flushed
+            # No flush message: Airflow 3.3 strands the events of a burst that arrive while a run
+            # waits to be created; the pipeline's watcher has flush_after, so its marker event
+            # queues the run that takes them (example_dags/order_events.pipeline_flush_after).
             env_ = env
             assert env_ is not None
             env_.check_alive()
-            s = take()
-            all_in = s.published >= len(messages) and all(s.events.get(n, 0) >= expected[n] for n in watchers)
-            if not flushed and all_in and env_.dag_idle(spark_dag):
-                # Airflow consumes, per asset-triggered run, the events up to the moment the run was
-                # queued; events of a burst that arrive while a run is queued wait for the next
-                # event. One more order, sent while the pipeline is idle, flushes them into a run.
-                stream.publish([flush_order()])
-                for name in expected_watchers(flush_order())[0]:
-                    expected[stream.watcher_name(name)] += 1
-                flushed = True
-            return s
+            return take()
 
         if interactive:
             from rich.live import Live
@@ -453,9 +466,9 @@ def run_demo(args: argparse.Namespace) -> int:
         settlement = snapshot.settlement
         say("")
         say("summary")
-        say(f"  messages published : {snapshot.published} (incl. 1 flush order) to {stream.source_label}")
+        say(f"  messages published : {snapshot.published} to {stream.source_label}")
         for name in watchers:
-            say(f"  asset events {name:<22}: {snapshot.events.get(name, 0)} (expected >= {expected[name]})")
+            say(f"  messages delivered {name:<25}: {snapshot.events.get(name, 0)} (expected >= {expected[name]})")
         for dag_id in consumer_dags:
             say(f"  Dag runs {dag_id:<30}: {dict(sorted(snapshot.runs.get(dag_id, {}).items()))}")
         total_revenue = round(sum(r for _, r in revenue.values()), 2)
@@ -513,6 +526,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="local",
         help="where the PySpark pipeline runs: local[2] in the task (default), a local standalone cluster "
         "(master + 2 workers) or a Spark Connect server on it (devkit.spark_cluster)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="messages per asset event (the triggers' batch_size; default 1, one envelope per event)",
     )
     parser.add_argument("--keep", action="store_true", help="keep everything running after the summary (Ctrl-C stops)")
     parser.add_argument("--keep-files", action="store_true", help="keep the work dir (logs, DB, Parquet output)")

@@ -34,7 +34,7 @@ import os
 from typing import Any
 
 from airflow.sdk import Asset, AssetWatcher, dag, task
-from order_events import record_receipts, unique_envelopes
+from order_events import pipeline_flush_after, record_receipts, stream_options, unique_envelopes
 from orders_spark import build_orders_spark_pipeline
 
 from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger
@@ -50,6 +50,7 @@ def orders_watcher(name: str, **watcher_filter: Any) -> AssetWatcher:
         topics=[TOPIC],
         kafka_config_id=KAFKA_CONN_ID,
         dlq_topic=DLQ_TOPIC,
+        **stream_options(),
         **watcher_filter,
     )
     return AssetWatcher(name=name, trigger=trigger)
@@ -66,7 +67,13 @@ orders_big = Asset(
 )
 orders_valid = Asset(
     "kafka_orders_valid",
-    watchers=[orders_watcher("kafka_orders_valid", filter_function="order_filters.require_valid_order")],
+    watchers=[
+        orders_watcher(
+            "kafka_orders_valid",
+            filter_function="order_filters.require_valid_order",
+            flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
+        )
+    ],
 )
 
 

@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from airflow.sdk import Asset, AssetWatcher, dag, task
-from order_events import record_receipts, unique_envelopes
+from order_events import pipeline_flush_after, record_receipts, stream_options, unique_envelopes
 from orders_spark import build_orders_spark_pipeline
 
 from airflow_shared_stream_provider.triggers.pubsub import PubSubSharedStreamTrigger
@@ -32,7 +32,11 @@ GCP_CONN_ID = os.environ.get("ORDERS_GCP_CONN_ID", "google_cloud_default")
 def orders_watcher(name: str, **watcher_filter: Any) -> AssetWatcher:
     """A watcher on the shared Pub/Sub stream: same producer settings, its own filter."""
     trigger = PubSubSharedStreamTrigger(
-        subscription=SUBSCRIPTION, gcp_conn_id=GCP_CONN_ID, dead_letter_topic=DLQ_TOPIC, **watcher_filter
+        subscription=SUBSCRIPTION,
+        gcp_conn_id=GCP_CONN_ID,
+        dead_letter_topic=DLQ_TOPIC,
+        **stream_options(),
+        **watcher_filter,
     )
     return AssetWatcher(name=name, trigger=trigger)
 
@@ -47,7 +51,13 @@ orders_big = Asset(
 )
 orders_valid = Asset(
     "pubsub_orders_valid",
-    watchers=[orders_watcher("pubsub_orders_valid", filter_function="order_filters.require_valid_order")],
+    watchers=[
+        orders_watcher(
+            "pubsub_orders_valid",
+            filter_function="order_filters.require_valid_order",
+            flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
+        )
+    ],
 )
 
 

@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from airflow.sdk import Asset, AssetWatcher, dag, task
-from order_events import record_receipts, unique_envelopes
+from order_events import pipeline_flush_after, record_receipts, stream_options, unique_envelopes
 from orders_spark import build_orders_spark_pipeline
 
 from airflow_shared_stream_provider.triggers.servicebus import ServiceBusSharedStreamTrigger
@@ -30,7 +30,9 @@ CONN_ID = os.environ.get("ORDERS_SERVICEBUS_CONN_ID", "azure_service_bus_default
 
 def orders_watcher(name: str, **watcher_filter: Any) -> AssetWatcher:
     """A watcher on the shared Service Bus stream: same producer settings, its own filter."""
-    trigger = ServiceBusSharedStreamTrigger(queue_name=QUEUE, azure_service_bus_conn_id=CONN_ID, **watcher_filter)
+    trigger = ServiceBusSharedStreamTrigger(
+        queue_name=QUEUE, azure_service_bus_conn_id=CONN_ID, **stream_options(), **watcher_filter
+    )
     return AssetWatcher(name=name, trigger=trigger)
 
 
@@ -47,7 +49,13 @@ orders_big = Asset(
 )
 orders_valid = Asset(
     "servicebus_orders_valid",
-    watchers=[orders_watcher("servicebus_orders_valid", filter_function="order_filters.require_valid_order")],
+    watchers=[
+        orders_watcher(
+            "servicebus_orders_valid",
+            filter_function="order_filters.require_valid_order",
+            flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
+        )
+    ],
 )
 
 

@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 from airflow.sdk import Asset, AssetWatcher, dag, task
-from order_events import record_receipts, unique_envelopes
+from order_events import pipeline_flush_after, record_receipts, stream_options, unique_envelopes
 from orders_spark import build_orders_spark_pipeline
 
 from airflow_shared_stream_provider.triggers.sqs import SqsSharedStreamTrigger
@@ -33,7 +33,7 @@ AWS_CONN_ID = os.environ.get("ORDERS_AWS_CONN_ID", "aws_default")
 def orders_watcher(name: str, **watcher_filter: Any) -> AssetWatcher:
     """A watcher on the shared SQS stream: same producer settings, its own filter."""
     trigger = SqsSharedStreamTrigger(
-        queue_url=QUEUE_URL, aws_conn_id=AWS_CONN_ID, dlq_queue_url=DLQ_URL, **watcher_filter
+        queue_url=QUEUE_URL, aws_conn_id=AWS_CONN_ID, dlq_queue_url=DLQ_URL, **stream_options(), **watcher_filter
     )
     return AssetWatcher(name=name, trigger=trigger)
 
@@ -47,7 +47,13 @@ orders_big = Asset(
 )
 orders_valid = Asset(
     "sqs_orders_valid",
-    watchers=[orders_watcher("sqs_orders_valid", filter_function="order_filters.require_valid_order")],
+    watchers=[
+        orders_watcher(
+            "sqs_orders_valid",
+            filter_function="order_filters.require_valid_order",
+            flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
+        )
+    ],
 )
 
 

@@ -26,6 +26,27 @@ from pathlib import Path
 from typing import Any
 
 OUTPUT_DIR_ENV = "ORDERS_OUTPUT_DIR"
+BATCH_SIZE_ENV = "ORDERS_BATCH_SIZE"
+FLUSH_AFTER_ENV = "ORDERS_FLUSH_AFTER"
+
+
+def stream_options() -> dict[str, Any]:
+    """
+    Producer settings every example watcher of a stream shares (so they share one consumer):
+    ``batch_size`` from ``$ORDERS_BATCH_SIZE`` (default 1, one envelope per asset event; the demo's
+    ``--batch-size``).
+    """
+    return {"batch_size": int(os.environ.get(BATCH_SIZE_ENV) or 1)}
+
+
+def pipeline_flush_after() -> float:
+    """
+    ``flush_after`` of the watcher feeding the PySpark pipeline (``$ORDERS_FLUSH_AFTER``, default
+    45 s): longer than one pipeline run takes from queued to done, so its marker arrives once the
+    run that was waiting has been created and queues the run that takes the tail of a burst
+    (Airflow 3.3; see docs/envelope.md).
+    """
+    return float(os.environ.get(FLUSH_AFTER_ENV) or 45)
 
 
 def output_dir() -> Path:

@@ -164,7 +164,9 @@ class Cohort:
         return any(m.lookup is not None and not m.lookup.done() for m in self.members.values())
 
     def ready(self, settle: float) -> bool:
-        if not self.members or self.lookups_pending() or self.missing():
+        # No member at all is possible only for a producer driven directly (the manager creates one
+        # at a watcher's subscribe): it reads after the settle time like any cohort without record.
+        if self.lookups_pending() or self.missing():
             return False
         if self.expected:
             return True  # every member of the last formation is back: no need to wait for more
@@ -173,6 +175,7 @@ class Cohort:
     async def wait_ready(self, *, settle: float, max_wait: float, stream: str) -> None:
         """Wait until the cohort is complete (see the module docstring), at most ``max_wait`` seconds."""
         started = self.clock()
+        self.last_join = max(self.last_join, started) if not self.members else self.last_join
         while not self.ready(settle):
             elapsed = self.clock() - started
             if elapsed >= max_wait:
@@ -187,7 +190,7 @@ class Cohort:
                 )
                 break
             wait = max_wait - elapsed
-            if self.members and not self.expected and not self.lookups_pending():
+            if not self.expected and not self.lookups_pending():
                 wait = min(wait, max(0.0, self.last_join + settle - self.clock()))
             await self._wait_change(max(0.01, wait))
         self.formed = True

@@ -37,7 +37,6 @@ from devkit.demo import (
     Published,
     expected_revenue,
     expected_watchers,
-    flush_order,
     make_order,
     sample_orders,
     spark_message_ids,
@@ -69,8 +68,10 @@ def expected_for(message: OrderMessage) -> tuple[set[str], bool]:
 
 
 def envelope_of(extra: Any) -> dict[str, Any] | None:
+    """The envelope of a per-message asset event; None for anything else (e.g. a flush_after marker)."""
     if isinstance(extra, dict) and extra.get("from_trigger") and isinstance(extra.get("payload"), dict):
-        return dict(extra["payload"])
+        payload = dict(extra["payload"])
+        return payload if "message_id" in payload else None
     return None
 
 
@@ -314,12 +315,9 @@ def test_pyspark_pipeline_counts_every_valid_order_once(
     airflow: AirflowEnv, orders: KafkaOrders, output_dir: Path
 ) -> None:
     dataset = output_dir / "kafka"
-    # Airflow gives an asset-triggered run the events up to the moment the run was queued; the
-    # tail of the last burst waits for one more event. Send it once the pipeline is idle.
-    airflow.wait_until(
-        lambda: airflow.dag_idle(SPARK_DAG), timeout=600, what="the PySpark Dag to be idle", interval=2.0
-    )
-    orders.publish([flush_order(1)])
+    # No flush message: Airflow 3.3 strands the events of a burst that arrive while a run waits to
+    # be created; the pipeline's watcher has flush_after (45 s by default), whose marker event
+    # queues the run that takes them.
     published = list(orders.published)
     valid_ids = {p.message_id for p in published if "kafka_orders_valid" in expected_for(p.message)[0]}
 
