@@ -300,7 +300,8 @@ class AirflowEnv:
             ("scheduler", "task_instance_heartbeat_sec"): 5,
             ("triggerer", "job_heartbeat_sec"): 2,
             ("triggerer", "triggerer_health_check_threshold"): 10,
-            ("triggerer", "shared_stream_cohort_grace_period"): 2.0,
+            # No shared_stream_cohort_grace_period: it stays at Airflow's default (0); the
+            # producers wait for their cohort themselves (_core/cohort.py).
         }
         if self.is_postgres:
             # Airflow derives the async URL by swapping the driver for asyncpg; set it explicitly

@@ -375,7 +375,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 "ORDERS_BATCH_SIZE": str(args.batch_size),
                 **stream.dag_env(),
             },
-            triggerer={"shared_stream_cohort_grace_period": 2.0, "shared_stream_ack_timeout": 120.0},
+            triggerer={"shared_stream_ack_timeout": 120.0},
             home=workdir / "airflow-home",
             startup_timeout=args.timeout,
         )

@@ -42,11 +42,12 @@ def stream_options() -> dict[str, Any]:
 def pipeline_flush_after() -> float:
     """
     ``flush_after`` of the watcher feeding the PySpark pipeline (``$ORDERS_FLUSH_AFTER``, default
-    45 s): longer than one pipeline run takes from queued to done, so its marker arrives once the
-    run that was waiting has been created and queues the run that takes the tail of a burst
-    (Airflow 3.3; see docs/envelope.md).
+    30 s): about one pipeline run long. The watcher's markers (after 30, 90 and 210 s of quiet)
+    queue the run that takes the tail of a burst; one that arrives while the previous run still
+    waits to be created is stranded with the tail, and the next one is not (Airflow 3.3; see
+    docs/envelope.md).
     """
-    return float(os.environ.get(FLUSH_AFTER_ENV) or 45)
+    return float(os.environ.get(FLUSH_AFTER_ENV) or 30)
 
 
 def output_dir() -> Path:

@@ -213,6 +213,12 @@ def build_orders_spark_pipeline(
                 return {"batch_id": None, "received": 0, "new": 0, "duplicates": 0, "groups": 0}
             return write_order_batch(spark, rows, base, batch_id_for(str(run_id)))
 
-        aggregate(extract())  # type: ignore[arg-type]  # TaskFlow resolves the XComArg at run time
+        @task.short_circuit
+        def has_orders(rows: list[dict[str, Any]]) -> bool:
+            """A run created only by flush_after markers (or by malformed orders) starts no Spark."""
+            return bool(rows)
+
+        rows = extract()
+        has_orders(rows) >> aggregate(rows)  # type: ignore[arg-type]  # TaskFlow resolves the XComArg at run time
 
     return orders_spark_pipeline()

@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 KEY_NAMESPACE = "airflow-shared-stream-provider"
 FLUSH_MARKER: Final = "flush"
+# Markers per quiet period (after F, 3F and 7F seconds of quiet; see _with_flush_markers).
+FLUSH_MARKERS: Final = 3
 
 
 class SharedStreamOptions(TypedDict, total=False):
@@ -68,8 +70,9 @@ class SharedStreamOptions(TypedDict, total=False):
     * ``match``: filter on envelope paths, e.g. ``{"body.region": ["eu", "uk"]}``.
     * ``filter_function``: dotted path of ``f(envelope) -> bool`` (may raise ``RejectMessage``).
     * ``on_filter_error``: what a filter exception does: ``reject`` (default), ``skip``, ``fail``.
-    * ``flush_after``: seconds; emit one ``{"marker": "flush"}`` event once this watcher has fired
-      and then stayed quiet that long (Airflow 3.3's stranded tail; default None = off).
+    * ``flush_after``: seconds; emit a ``{"marker": "flush"}`` event once this watcher has fired
+      and then stayed quiet that long, again after 3x and 7x (Airflow 3.3's stranded tail;
+      default None = off).
 
     Producer side (part of ``shared_stream_key``: siblings that differ get separate streams):
 
@@ -294,8 +297,13 @@ class SharedStreamTrigger(BaseEventTrigger):
 
     async def _with_flush_markers(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """
-        The raw events, plus one flush marker (a :class:`TriggerEvent`) whenever this watcher has
-        fired and then fired nothing for ``flush_after`` seconds.
+        The raw events, plus flush markers (:class:`TriggerEvent` s) once this watcher has fired and
+        then fired nothing for ``flush_after`` seconds: the first after ``flush_after``, and at most
+        :data:`FLUSH_MARKERS` in all, each after twice the previous wait (F, 3F, 7F after the last
+        event). Why more than one: a marker that arrives while the consumer Dag's next run is still
+        waiting to be created is stranded with the tail it was meant to flush (Airflow 3.3); a
+        later one arrives after that run was created and queues the run that takes the tail. Each
+        costs at most one extra run; the watcher's next event starts the count again.
 
         The next raw event is awaited in a task of its own, left pending across a timeout (never
         cancelled: cancelling would end the manager's stream). So the manager opens a raw event's
@@ -307,17 +315,21 @@ class SharedStreamTrigger(BaseEventTrigger):
         quiet = self.flush_after
         iterator = aiter(shared_stream)
         pending: asyncio.Future[Any] | None = None
+        markers = 0  # markers emitted since this watcher last fired
+        last_fired_at: float | None = None
         try:
             while True:
                 if pending is None:
                     pending = asyncio.ensure_future(anext(iterator))
-                fired_at = self._last_fired_at
-                timeout = None if fired_at is None else max(0.0, fired_at + quiet - time.monotonic())
+                if self._last_fired_at != last_fired_at:  # fired since: a new quiet period
+                    last_fired_at, markers = self._last_fired_at, 0
+                timeout: float | None = None
+                if last_fired_at is not None and markers < FLUSH_MARKERS:
+                    due = last_fired_at + quiet * (2 ** (markers + 1) - 1)
+                    timeout = max(0.0, due - time.monotonic())
                 done, _ = await asyncio.wait({pending}, timeout=timeout)
                 if not done:
-                    # Quiet for flush_after since this watcher last fired: one marker, then no timer
-                    # until the watcher fires again.
-                    self._last_fired_at = None
+                    markers += 1
                     yield self.make_flush_marker(self._last_fired_id)
                     continue
                 task, pending = pending, None

@@ -86,7 +86,7 @@ def running_airflow(
         dags,
         connections={"kafka_default": kafka_connection(orders.bootstrap), "spark_orders": SPARK_LOCAL_CONNECTION},
         env={"ORDERS_OUTPUT_DIR": str(output_dir), "ORDERS_SPARK_CONN_ID": "spark_orders"},
-        triggerer={"shared_stream_cohort_grace_period": 2.0, "shared_stream_ack_timeout": 120.0},
+        triggerer={"shared_stream_ack_timeout": 120.0},
         home=tmp_path_factory.mktemp("airflow-home"),
         sql_alchemy_conn=sql_alchemy_conn,
         parallelism=parallelism,

@@ -316,8 +316,8 @@ def test_pyspark_pipeline_counts_every_valid_order_once(
 ) -> None:
     dataset = output_dir / "kafka"
     # No flush message: Airflow 3.3 strands the events of a burst that arrive while a run waits to
-    # be created; the pipeline's watcher has flush_after (45 s by default), whose marker event
-    # queues the run that takes them.
+    # be created; the pipeline's watcher has flush_after (30 s by default), whose markers queue
+    # the run that takes them.
     published = list(orders.published)
     valid_ids = {p.message_id for p in published if "kafka_orders_valid" in expected_for(p.message)[0]}
 

@@ -11,6 +11,7 @@ watchers missed 64 of 300 orders). Every watcher must get every message.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -52,12 +53,20 @@ def many_airflow(queue: SqsOrders, tmp_path_factory: pytest.TempPathFactory) -> 
         "password": MOTO_KEY,
         "extra": {"endpoint_url": queue.endpoint, "region_name": SQS_REGION},
     }
+    # [triggerer] left at Airflow's defaults (no cohort grace period, 50 new triggers per loop).
+    # Manual negative control (docs/reliability.md, "Late siblings"): LATE_SIBLINGS_COHORT_OFF=1
+    # turns the producer's cohort wait off (settle and max wait 0); LATE_SIBLINGS_PER_LOOP=10 makes
+    # the re-formation take more triggerer loops.
+    per_loop = os.environ.get("LATE_SIBLINGS_PER_LOOP")
+    cohort_off = os.environ.get("LATE_SIBLINGS_COHORT_OFF") == "1"
     env = AirflowEnv(
         dags,
         connections={CONN_ID: json.dumps(connection)},
         env={"MANY_SQS_QUEUE_URL": queue.queue_url, "MANY_AWS_CONN_ID": CONN_ID, "MANY_WATCHERS": str(COUNT)},
+        triggerer={"max_trigger_to_select_per_loop": int(per_loop)} if per_loop else {},
+        config={"shared_stream_provider": {"cohort_settle": 0, "cohort_max_wait": 0}} if cohort_off else {},
         home=tmp_path_factory.mktemp("many-airflow-home"),
-    )  # [triggerer] left at Airflow's defaults: no cohort grace period, 50 new triggers per loop
+    )
     with env:
         env.wait_for_dags([DAG_ID])
         env.unpause([DAG_ID])

@@ -157,7 +157,7 @@ def sqs_airflow(sqs_orders: SqsOrders, tmp_path_factory: pytest.TempPathFactory)
             "ORDERS_AWS_CONN_ID": CONN_ID,
             "ORDERS_OUTPUT_DIR": str(tmp_path_factory.mktemp("sqs-output")),
         },
-        triggerer={"shared_stream_cohort_grace_period": 2.0, "shared_stream_ack_timeout": 120.0},
+        triggerer={"shared_stream_ack_timeout": 120.0},
         home=tmp_path_factory.mktemp("sqs-airflow-home"),
         python_path=(dags,),
     )
