@@ -810,6 +810,7 @@ class CaseSpec:
     scheduler: bool
     sample_interval: float
     keep_home: bool
+    extra_kwargs: tuple[tuple[str, Any], ...] = ()
 
     @property
     def label(self) -> str:
@@ -874,6 +875,8 @@ def phase_metrics(log: EventLog, phase: str, n: int, expected: int) -> dict[str,
 
 def _trigger_for(spec: CaseSpec, stream: BenchStream) -> tuple[str, dict[str, Any]]:
     path, kwargs = stream.trigger(spec.impl)
+    if spec.impl == "ours":
+        kwargs = {**kwargs, **dict(spec.extra_kwargs)}
     if spec.mode == "batch":
         kwargs = {**kwargs, "batch_size": spec.batch_size}
         if spec.batch_timeout is not None:
@@ -1227,6 +1230,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-timeout", type=float, default=None, help="batch mode's batch_timeout (default: the trigger's)"
     )
+    parser.add_argument(
+        "--trigger-kwargs",
+        type=json.loads,
+        default={},
+        help="more kwargs for our triggers, JSON, e.g. '{\"max_payload_bytes\": 262144}'",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="cap per phase after publishing (default 600 s)")
     parser.add_argument("--poll", type=float, default=1.0, help="DB poll interval (default 1 s)")
     parser.add_argument("--settle", type=float, default=3.0, help="wait for late duplicates after a phase (3 s)")
@@ -1353,6 +1362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 scheduler=args.scheduler,
                                 sample_interval=args.sample_interval,
                                 keep_home=args.keep_home,
+                                extra_kwargs=tuple(sorted(args.trigger_kwargs.items())),
                             )
                         )
     if "batch" in args.modes:

@@ -47,7 +47,7 @@ from airflow_shared_stream_provider._core.filtering import (
     validate_filter_function,
     validate_match,
 )
-from airflow_shared_stream_provider._core.flow import FlowGate, gates
+from airflow_shared_stream_provider._core.flow import gates
 from airflow_shared_stream_provider._core.settings import StreamSettings
 
 if TYPE_CHECKING:
@@ -199,17 +199,33 @@ class SharedStreamTrigger(BaseEventTrigger):
         )
         try:
             raw_events = shared_stream if self.flush_after is None else self._with_flush_markers(shared_stream)
+            notes_fired = self.flush_after is not None
             async for raw in raw_events:
                 if isinstance(raw, StreamMessage):
+                    # The per-message path, inline: it runs once per message per watcher.
                     gate.consumed(token, raw.seq)
-                    event = self._filter_one(raw)
-                    if event is not None:
-                        yield self._fired(event, gate)
+                    if raw.forced_rejection is not None:
+                        self._reject(raw, raw.forced_rejection)
+                        continue
+                    try:
+                        fire = self.accept(raw.envelope)
+                    except RejectMessage as exc:
+                        self._reject(raw, exc.reason)
+                        continue
+                    except Exception as exc:
+                        if self._on_filter_exception(raw, exc):
+                            self._reject(raw, f"filter raised {type(exc).__name__}: {exc}")
+                        continue
+                    if fire:
+                        gate.fired += 1
+                        event = self.make_event(raw.envelope)
+                        yield self._note_fired(event) if notes_fired else event
                 elif isinstance(raw, MessageBatch):
                     gate.consumed(token, raw.seq)
-                    event = self._filter_batch(raw)
-                    if event is not None:
-                        yield self._fired(event, gate)
+                    batch_event = self._filter_batch(raw)
+                    if batch_event is not None:
+                        gate.fired += 1
+                        yield self._note_fired(batch_event) if notes_fired else batch_event
                 elif isinstance(raw, TriggerEvent):  # a flush marker from _with_flush_markers
                     yield raw
                 else:
@@ -229,22 +245,6 @@ class SharedStreamTrigger(BaseEventTrigger):
             "on_filter_error": self.on_filter_error,
             "flush_after": self.flush_after,
         }
-
-    def _filter_one(self, message: StreamMessage) -> TriggerEvent | None:
-        """One message, one raw event: reject through the manager too (its window is open)."""
-        if message.forced_rejection is not None:
-            self._reject(message, message.forced_rejection)
-            return None
-        try:
-            fire = self.accept(message.envelope)
-        except RejectMessage as exc:
-            self._reject(message, exc.reason)
-            return None
-        except Exception as exc:
-            if self._on_filter_exception(message, exc):
-                self._reject(message, f"filter raised {type(exc).__name__}: {exc}")
-            return None
-        return self.make_event(message.envelope) if fire else None
 
     def _filter_batch(self, batch: MessageBatch) -> TriggerEvent | None:
         """
@@ -293,7 +293,11 @@ class SharedStreamTrigger(BaseEventTrigger):
 
     def _reject(self, message: StreamMessage, reason: str) -> None:
         message.reject(reason)
-        reject_shared_stream_event()
+        if self.flush_after is None:
+            # With flush_after the binding window is opened in another task (see
+            # _with_flush_markers), where this call cannot see it; the producer reads the
+            # rejection off the message either way.
+            reject_shared_stream_event()
 
     async def _with_flush_markers(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """
@@ -342,16 +346,14 @@ class SharedStreamTrigger(BaseEventTrigger):
             if pending is not None and not pending.done():
                 pending.cancel()
 
-    def _fired(self, event: TriggerEvent, gate: FlowGate) -> TriggerEvent:
-        """Bookkeeping of every event this watcher yields (counter; ``flush_after`` clock)."""
-        gate.fired += 1
-        if self.flush_after is not None:
-            self._last_fired_at = time.monotonic()
-            payload = event.payload
-            if isinstance(payload, Mapping):
-                messages = payload.get("messages")
-                last = messages[-1] if isinstance(messages, list) and messages else payload
-                self._last_fired_id = last.get("message_id") if isinstance(last, Mapping) else None
+    def _note_fired(self, event: TriggerEvent) -> TriggerEvent:
+        """``flush_after``: when this watcher last fired, and on which message (the marker names it)."""
+        self._last_fired_at = time.monotonic()
+        payload = event.payload
+        if isinstance(payload, Mapping):
+            messages = payload.get("messages")
+            last = messages[-1] if isinstance(messages, list) and messages else payload
+            self._last_fired_id = last.get("message_id") if isinstance(last, Mapping) else None
         return event
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
