@@ -8,24 +8,8 @@ Features: unary ``Pull`` in batches (``max_messages``, short ``pull_timeout``) o
 worked on, up to the triggerer's ack timeout; exactly-once-delivery subscriptions; ordering keys as
 advance lanes.
 
-Connection (``gcp_conn_id``, the upstream ``google_cloud_platform`` shape, read directly):
-
-=========================== =======================================================================
-extra                       use
-=========================== =======================================================================
-``keyfile_dict``            service-account JSON (text or dict)
-``key_path``                path of a service-account JSON file
-``credential_config_file``  external-account (workload identity federation) JSON file or dict
-``project``                 project of a short subscription name
-``scope``                   comma-separated OAuth scopes (default cloud-platform)
-``impersonation_chain``     service account (or comma-separated / list chain) to impersonate
-``is_anonymous``            anonymous credentials
-=========================== =======================================================================
-
-Each extra may carry the old ``extra__google_cloud_platform__`` prefix. A missing connection
-means Application Default Credentials. ``key_secret_name`` (Secret Manager) is refused with an
-error naming it. When ``PUBSUB_EMULATOR_HOST`` is set (as the client library does) the emulator is
-used over an insecure channel with no credentials.
+Connection (``gcp_conn_id``, the upstream ``google_cloud_platform`` shape), credentials, the emulator
+and the subscription's own settings: :mod:`.pubsub_client`.
 
 Dispositions (see :mod:`airflow_shared_stream_provider._core.dispositions`):
 
@@ -65,26 +49,32 @@ from typing import Any, Final
 from airflow_shared_stream_provider import SharedStreamConfigError
 from airflow_shared_stream_provider._core.ack_buffer import AckBuffer
 from airflow_shared_stream_provider._core.attempts import MessageCounts
-from airflow_shared_stream_provider._core.connections import load_gcp_connection
 from airflow_shared_stream_provider._core.dead_letter import add_within_limit, dead_letter_fields
 from airflow_shared_stream_provider._core.dispositions import Disposition
 from airflow_shared_stream_provider._core.envelope import iso_timestamp
-from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError, missing_dependency
+from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.retry import Backoff, Retry, retry_call, retry_entries
 from airflow_shared_stream_provider._core.tasks import best_effort, cancel_and_wait, close_quietly
+from airflow_shared_stream_provider.producers.pubsub_client import (
+    DEFAULT_SUBSCRIPTION_DEADLINE,
+    TRANSIENT,
+    PublisherAsyncClient,
+    SubscriberAsyncClient,
+    ack_failures,
+    gexc,
+    inspect_subscription,
+    load_connection,
+    publisher_client,
+    pull,
+    subscriber_client,
+)
 from airflow_shared_stream_provider.triggers.pubsub import PubSubStreamSettings
 
-try:
-    import grpc
-    from google.api_core import exceptions as gexc
-    from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
-    from google.pubsub_v1.services.publisher.transports.grpc_asyncio import PublisherGrpcAsyncIOTransport
-    from google.pubsub_v1.services.subscriber.transports.grpc_asyncio import SubscriberGrpcAsyncIOTransport
-except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise missing_dependency("pubsub", "google-cloud-pubsub", _exc) from _exc
+# Connection reading and ack-failure parsing live in pubsub_client; they stay importable from here.
+__all__ = ["PubSubDelivery", "PubSubSharedStreamProducer", "ack_failures", "load_connection"]
 
 ACK_BATCH: Final = 1000  # ack ids per Acknowledge / ModifyAckDeadline call (request size < 512 KiB)
 PUBLISH_BATCH: Final = 100  # dead-letter messages per Publish call
@@ -94,18 +84,7 @@ MAX_ATTRIBUTE_VALUE: Final = 1024
 RPC_RETRIES: Final = 5
 _ACK_BACKOFF: Final = Backoff(0.1)
 _PUBLISH_BACKOFF: Final = Backoff(0.2)
-DEFAULT_SUBSCRIPTION_DEADLINE: Final = 10
 ATTEMPTS_MEMORY: Final = 100_000
-EOD_FAILURE_REASON: Final = "EXACTLY_ONCE_ACKID_FAILURE"
-# Errors worth retrying for unary calls (the server is busy, restarting or briefly unreachable).
-_TRANSIENT: tuple[type[BaseException], ...] = (
-    gexc.ServiceUnavailable,
-    gexc.InternalServerError,
-    gexc.Aborted,
-    gexc.DeadlineExceeded,
-    gexc.ResourceExhausted,
-    gexc.Unknown,
-)
 
 
 @dataclass(slots=True)
@@ -119,27 +98,6 @@ class PubSubDelivery(Delivery):
     data: bytes
     attributes: Mapping[str, str]
     published_at: str | None
-
-
-load_connection: Final = load_gcp_connection
-"""The subscription's ``google_cloud_platform`` connection and credentials (see :mod:`._core.connections`)."""
-
-
-def ack_failures(exc: BaseException) -> dict[str, str] | None:
-    """
-    Per-ack-id failures of an exactly-once subscription's ``Acknowledge`` / ``ModifyAckDeadline``.
-
-    Pub/Sub reports them as an ``ErrorInfo`` (reason ``EXACTLY_ONCE_ACKID_FAILURE``) whose metadata
-    maps ack ids to ``PERMANENT_FAILURE_*`` / ``TRANSIENT_FAILURE_*``. ``None`` when the error does
-    not carry such a map (a plain RPC error).
-    """
-    metadata = getattr(exc, "metadata", None)
-    if getattr(exc, "reason", None) == EOD_FAILURE_REASON and isinstance(metadata, Mapping):
-        return {str(k): str(v) for k, v in metadata.items()}
-    for detail in getattr(exc, "details", None) or ():
-        if getattr(detail, "reason", None) == EOD_FAILURE_REASON:
-            return {str(k): str(v) for k, v in dict(detail.metadata).items()}
-    return None
 
 
 class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, PubSubDelivery]):
@@ -202,52 +160,20 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         self.subscription_path = settings.subscription_path(connection.project)
         self.dead_letter_topic_path = settings.dead_letter_topic_path(self.subscription_path)
         self.counters.retag(self.subscription_path)  # metrics carry the full path from here on
-        if connection.emulator_host:
-            options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-            self._subscriber = SubscriberAsyncClient(
-                transport=SubscriberGrpcAsyncIOTransport(
-                    channel=grpc.aio.insecure_channel(connection.emulator_host, options=options)
-                )
-            )
-            if self.dead_letter_topic_path:
-                self._publisher = PublisherAsyncClient(
-                    transport=PublisherGrpcAsyncIOTransport(
-                        channel=grpc.aio.insecure_channel(connection.emulator_host, options=options)
-                    )
-                )
-        else:
-            self._subscriber = SubscriberAsyncClient(credentials=connection.credentials)
-            if self.dead_letter_topic_path:
-                self._publisher = PublisherAsyncClient(credentials=connection.credentials)
-        await self._inspect_subscription(self._subscriber)
+        self._subscriber = subscriber_client(connection)
+        if self.dead_letter_topic_path:
+            self._publisher = publisher_client(connection)
+        info = await inspect_subscription(
+            self._subscriber,
+            self.subscription_path,
+            dead_letter_topic=self.dead_letter_topic_path,
+            counters=self.counters,
+            log=self.log,
+        )
+        self.subscription_ack_deadline = info.ack_deadline_seconds
+        self.exactly_once = info.exactly_once
+        self.has_dead_letter_policy = info.has_dead_letter_policy
         return self._subscriber
-
-    async def _inspect_subscription(self, client: SubscriberAsyncClient) -> None:
-        """Check the subscription exists and learn its ack deadline, exactly-once and dead-letter policy."""
-        path = self.subscription_path
-        try:
-            subscription = await client.get_subscription(request={"subscription": path}, timeout=30)
-        except gexc.NotFound:
-            raise SharedStreamConfigError(f"Pub/Sub subscription {path!r} does not exist") from None
-        except gexc.PermissionDenied:
-            # pubsub.subscriptions.get is not needed to consume: assume the conservative defaults.
-            self.log.warning(
-                "No permission to read subscription %s; assuming a %ss ack deadline and exactly-once delivery",
-                path,
-                DEFAULT_SUBSCRIPTION_DEADLINE,
-            )
-            self.exactly_once = True
-            return
-        self.counters.add("api_calls")
-        self.subscription_ack_deadline = subscription.ack_deadline_seconds or DEFAULT_SUBSCRIPTION_DEADLINE
-        self.exactly_once = bool(subscription.enable_exactly_once_delivery)
-        self.has_dead_letter_policy = bool(subscription.dead_letter_policy.dead_letter_topic)
-        if self.dead_letter_topic_path is None and not self.has_dead_letter_policy:
-            self.log.warning(
-                "Subscription %s has no dead-letter policy and no dead_letter_topic is set: rejected and "
-                "poison messages are nacked and redelivered until they expire",
-                path,
-            )
 
     def _make_lease_keeper(self) -> LeaseKeeper[str]:
         lease = float(self.settings.ack_deadline_seconds)
@@ -345,35 +271,14 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
     async def _pull(self, pull_index: int, max_messages: int) -> tuple[int, float, Sequence[Any]]:
         """One ``Pull``: ``(pull index, monotonic start, raw ReceivedMessage protobufs)``; empty on timeout."""
         client = self._subscriber
-        path = self.subscription_path
         if client is None:
             raise BrokerHandleClosedError(f"Pub/Sub producer for {self.source_label()} is closed")
-        backoff = 0.1
-        while True:
-            started = time.monotonic()
-            try:
-                response = await client.pull(
-                    request={"subscription": path, "max_messages": max_messages},
-                    timeout=self.settings.pull_timeout,
-                    retry=None,
-                )
-            except gexc.DeadlineExceeded:
-                self.pull_calls += 1
-                self.counters.add("api_calls")
-                return pull_index, started, ()  # nothing arrived within pull_timeout
-            except gexc.NotFound:
-                raise SharedStreamConfigError(f"Pub/Sub subscription {path!r} does not exist") from None
-            except gexc.PermissionDenied as exc:
-                raise SharedStreamConfigError(f"no permission to pull from {path!r}: {exc.message}") from None
-            except _TRANSIENT as exc:
-                self.log.warning("Pull from %s failed (%s); retrying in %.1fs", path, type(exc).__name__, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
-                continue
-            self.pull_calls += 1
-            self.counters.add("api_calls")
-            # The raw protobuf: proto-plus wrappers cost more per field than the rest of the fan-out.
-            return pull_index, started, type(response).pb(response).received_messages
+        started, received = await pull(
+            client, self.subscription_path, max_messages, timeout=self.settings.pull_timeout, log=self.log
+        )
+        self.pull_calls += 1
+        self.counters.add("api_calls")
+        return pull_index, started, received
 
     def _attempt_of(self, message_id: str, server_attempt: int) -> int:
         """Pub/Sub's ``delivery_attempt`` when it counts (dead-letter policy), else ours."""
@@ -484,7 +389,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                 self.counters.add("api_calls")
 
         await retry_call(
-            publish, attempts=RPC_RETRIES, backoff=_PUBLISH_BACKOFF, retriable=lambda exc: isinstance(exc, _TRANSIENT)
+            publish, attempts=RPC_RETRIES, backoff=_PUBLISH_BACKOFF, retriable=lambda exc: isinstance(exc, TRANSIENT)
         )
 
     # -- acks and nacks ----------------------------------------------------------------------------
@@ -542,7 +447,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                     else:
                         lost.extend(pending)
                     return [], ""
-                if not isinstance(exc, _TRANSIENT):
+                if not isinstance(exc, TRANSIENT):
                     raise
                 call_error = exc
                 return pending, str(exc)

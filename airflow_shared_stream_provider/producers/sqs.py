@@ -66,74 +66,44 @@ re-sends the body exactly as received.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import contextlib
 import itertools
-import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, ClassVar, Final
 
-from airflow_shared_stream_provider import SharedStreamConfigError
-from airflow_shared_stream_provider._core import connections
 from airflow_shared_stream_provider._core.attempts import MessageCounts
-from airflow_shared_stream_provider._core.dead_letter import add_within_limit, dead_letter_fields
+from airflow_shared_stream_provider._core.dead_letter import dead_letter_fields
 from airflow_shared_stream_provider._core.dispositions import Decision, Disposition
-from airflow_shared_stream_provider._core.envelope import StreamMessage, iso_timestamp, text_value
-from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError, missing_dependency
+from airflow_shared_stream_provider._core.envelope import StreamMessage
+from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
-from airflow_shared_stream_provider._core.retry import Backoff, ErrorStreak, Retry, chunks, retry_entries
+from airflow_shared_stream_provider._core.retry import Backoff, ErrorStreak, chunks
 from airflow_shared_stream_provider._core.tasks import best_effort, cancel_and_wait
-from airflow_shared_stream_provider.triggers.sqs import SqsStreamSettings, region_from_queue_url
+from airflow_shared_stream_provider.producers.sqs_client import (
+    AWS_ERRORS,
+    LEASE_GONE_CODES,
+    SQS_BATCH,
+    SqsAdvanceError,
+    SqsApi,
+    envelope_fields,
+    is_transient,
+    send_entry,
+)
+from airflow_shared_stream_provider.triggers.sqs import SqsStreamSettings
 
-try:
-    from aiobotocore.config import AioConfig
-    from aiobotocore.credentials import AioDeferredRefreshableCredentials
-    from aiobotocore.session import AioSession, get_session
-    from botocore import exceptions as boto
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise missing_dependency("sqs", "aiobotocore", exc) from exc
+# SqsAdvanceError lives with the batch calls in sqs_client; it stays importable from here.
+__all__ = ["SqsAdvanceError", "SqsDelivery", "SqsSharedStreamProducer"]
 
-SQS_BATCH: Final = 10  # entries per batch call, SQS's limit
-MAX_MESSAGE_ATTRIBUTES: Final = 10
-TRANSFER_ENCODING_ATTRIBUTE: Final = "content-transfer-encoding"
-_ENTRY_RETRIES: Final = 3
-_ENTRY_BACKOFF: Final = Backoff(0.2)
 _RECEIVE_ERROR_LIMIT: Final = 5
 _RECEIVE_BACKOFF: Final = Backoff(1.0, cap=16.0)
 _CLOSE_RELEASE_TIMEOUT: Final = 5.0
 _HOLD_MEMORY: Final = 10_000
-# Per-entry error codes meaning "this receipt handle no longer holds the message": retrying cannot
-# help, and the message is (or will be) visible again, so it is redelivered, not lost.
-_LEASE_GONE_CODES: Final = frozenset(
-    {
-        "ReceiptHandleIsInvalid",
-        "InvalidParameterValue",
-        "MessageNotInflight",
-        "AWS.SimpleQueueService.MessageNotInflight",
-    }
-)
-_MISSING_QUEUE_CODES: Final = frozenset(
-    {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist", "NonExistentQueue"}
-)
 _FIFO_RELEASE: Final = Decision(Disposition.REDELIVER, "released to keep FIFO order behind a redelivered message")
 _UNSENT: Final = StreamMessage({}, 0)
 """The ``message`` of a delivery whose envelope is still being built (replaced right before its yield)."""
-
-
-class SqsAdvanceError(RuntimeError):
-    """
-    A delete, dead-letter send or other advance step still failed after retries.
-
-    Raised from ``advance``: the manager terminates the group (every watcher fails through the
-    trigger-failure path) and the messages that were not deleted come back after their visibility
-    timeout. Nothing is counted as committed that was not deleted.
-    """
 
 
 @dataclass(slots=True)
@@ -161,8 +131,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         self._fifo = settings.fifo
         self._dlq_fifo = False
         self._client: Any = None
-        self._stack: contextlib.AsyncExitStack | None = None
-        self._client_settings: connections.AwsConnection | None = None
+        self._api = SqsApi(settings, self.counters, self.log)
         # Receipt handles handed to watchers and not yet deleted / released, and their leases.
         self._unsettled: InFlight[str, None] = InFlight(self.counters)
         self._leases: LeaseKeeper[str] | None = None
@@ -191,180 +160,15 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         """Batch mode: one batch lane per FIFO message group; a standard queue's messages share one."""
         return ("group", broker_payload.group_id) if self._fifo else None
 
-    # -- connection ----------------------------------------------------------------------------
-    def _config_error(self, cause: str, exc: BaseException | None = None) -> SharedStreamConfigError:
-        where = self._client_settings.describe() if self._client_settings else ""
-        conn = self.settings.aws_conn_id
-        return connections.config_error(
-            f"SQS queue {self.settings.queue_url!r}", f"{cause} (aws_conn_id={conn!r}; {where})", exc
-        )
-
-    def _session(self, client_settings: connections.AwsConnection) -> AioSession:
-        session = get_session()
-        if client_settings.access_key_id or client_settings.secret_access_key:
-            if not (client_settings.access_key_id and client_settings.secret_access_key):
-                raise self._config_error("the connection has only one of login (access key id) and password (secret)")
-            session.set_credentials(
-                client_settings.access_key_id, client_settings.secret_access_key, client_settings.session_token
-            )
-        return session
-
-    def _client_config(self, client_settings: connections.AwsConnection) -> AioConfig:
-        kwargs, unsupported = connections.aws_config_kwargs(client_settings)
-        if unsupported:
-            raise self._config_error(f"unsupported config_kwargs key(s) {unsupported}")
-        kwargs.setdefault("retries", {"mode": "standard", "max_attempts": 3})
-        # Receives, the lease keeper, deletes and releases may all be in flight at once.
-        kwargs.setdefault("max_pool_connections", max(10, self.settings.concurrent_receives + 4))
-        # A long poll must never hit the read timeout.
-        kwargs.setdefault("read_timeout", self.settings.wait_time_seconds + 40)
-        return AioConfig(**kwargs)
-
-    async def _assume_role(self, session: AioSession, client_settings: connections.AwsConnection) -> None:
-        """Replace the session's credentials with refreshable STS assume-role credentials."""
-        role_arn = client_settings.role_arn
-        assert role_arn is not None
-        base_session = self._session(client_settings)
-        kwargs = dict(client_settings.assume_role_kwargs)
-        kwargs.setdefault("RoleSessionName", f"airflow-shared-stream-{client_settings.region_name or 'default'}")
-
-        async def refresh() -> dict[str, Any]:
-            async with base_session.create_client(
-                "sts",
-                region_name=client_settings.region_name,
-                endpoint_url=client_settings.endpoint_url,
-                verify=client_settings.verify,
-            ) as sts:
-                self.counters.add("api_calls")
-                response = await sts.assume_role(RoleArn=role_arn, **kwargs)
-            credentials = response["Credentials"]
-            expiry = credentials["Expiration"]
-            if isinstance(expiry, datetime):
-                expiry = expiry.isoformat()
-            return {
-                "access_key": credentials["AccessKeyId"],
-                "secret_key": credentials["SecretAccessKey"],
-                "token": credentials["SessionToken"],
-                "expiry_time": expiry,
-            }
-
-        # The upstream Amazon provider does the same: aiobotocore has no public setter for
-        # refreshable credentials on a session.
-        session._credentials = AioDeferredRefreshableCredentials(  # type: ignore[attr-defined]
-            refresh_using=refresh, method="sts-assume-role"
-        )
-
+    # -- connection (the AWS side: sqs_client.py) ----------------------------------------------
     async def _connect(self) -> Any:
-        settings = self.settings
-        client_settings = await connections.load_aws_connection(
-            settings.aws_conn_id,
-            service="sqs",
-            region_name=settings.region_name,
-            fallback_region=region_from_queue_url(settings.queue_url),
-        )
-        self._client_settings = client_settings
-        session = self._session(client_settings)
-        if client_settings.role_arn:
-            await self._assume_role(session, client_settings)
-        stack = contextlib.AsyncExitStack()
-        try:
-            client = await stack.enter_async_context(
-                session.create_client(
-                    "sqs",
-                    region_name=client_settings.region_name,
-                    endpoint_url=client_settings.endpoint_url,
-                    verify=client_settings.verify,
-                    config=self._client_config(client_settings),
-                )
-            )
-        except boto.NoRegionError as exc:
-            await stack.aclose()
-            raise self._config_error(
-                "no AWS region: set region_name on the trigger or the connection, or use a regional queue URL", exc
-            ) from exc
-        except BaseException:
-            await stack.aclose()
-            raise
-        self._stack = stack
-        self.log.info("SQS shared stream connecting to %s (%s)", settings.queue_url, client_settings.describe())
-        return client
-
-    def _explain(self, exc: BaseException, queue_url: str) -> str:
-        """What a botocore error means, for a configuration error or an advance error."""
-        if isinstance(exc, boto.NoCredentialsError | boto.PartialCredentialsError):
-            return f"no usable AWS credentials ({exc})"
-        if isinstance(exc, boto.EndpointConnectionError):
-            return f"cannot reach the SQS endpoint ({exc})"
-        if isinstance(exc, boto.ClientError):
-            error = exc.response.get("Error", {})
-            code = str(error.get("Code", ""))
-            text = str(error.get("Message", ""))
-            if code in _MISSING_QUEUE_CODES:
-                region = self._client_settings.region_name if self._client_settings else None
-                return (
-                    f"the queue does not exist in region {region!r} for these credentials "
-                    f"(wrong region or account, or deleted) [{code}]"
-                )
-            return connections.aws_error_cause(code, text, resource=queue_url)
-        return f"{type(exc).__name__}: {exc}"
-
-    def _is_transient(self, exc: BaseException) -> bool:
-        if isinstance(exc, boto.ClientError):
-            return str(exc.response.get("Error", {}).get("Code", "")) in connections.AWS_THROTTLE_CODES
-        return isinstance(exc, boto.BotoCoreError) and not isinstance(
-            exc, boto.NoCredentialsError | boto.PartialCredentialsError | boto.NoRegionError
-        )
-
-    async def _queue_attributes(self, queue_url: str, *, role: str) -> dict[str, str]:
-        try:
-            self.counters.add("api_calls")
-            response = await self._client.get_queue_attributes(
-                QueueUrl=queue_url, AttributeNames=["FifoQueue", "VisibilityTimeout", "RedrivePolicy"]
-            )
-        except (boto.BotoCoreError, boto.ClientError) as exc:
-            cause = self._explain(exc, queue_url)
-            if role == "dlq":
-                cause = f"dlq_queue_url {queue_url!r}: {cause}"
-            raise self._config_error(cause, exc) from exc
-        return dict(response.get("Attributes", {}))
-
-    async def _check_queues(self) -> None:
-        settings = self.settings
-        attributes = await self._queue_attributes(settings.queue_url, role="source")
-        is_fifo = attributes.get("FifoQueue", "false").lower() == "true"
-        if is_fifo != self._fifo:
-            raise self._config_error(
-                f"the queue reports FifoQueue={is_fifo} but its URL says {'FIFO' if self._fifo else 'standard'}"
-            )
-        if settings.dlq_queue_url is not None:
-            dlq_attributes = await self._queue_attributes(settings.dlq_queue_url, role="dlq")
-            self._dlq_fifo = dlq_attributes.get("FifoQueue", "false").lower() == "true"
-        elif not attributes.get("RedrivePolicy"):
-            self.log.warning(
-                "SQS queue %s has no dlq_queue_url and no RedrivePolicy: rejected and poison messages stay "
-                "in the queue and come back every %s s (never deleted)",
-                settings.queue_url,
-                settings.reject_backoff,
-            )
+        return await self._api.connect()
 
     # -- receive -------------------------------------------------------------------------------
-    async def _receive(self, count: int) -> tuple[float, list[dict[str, Any]]]:
-        started = time.monotonic()
-        self.counters.add("api_calls")
-        response = await self._client.receive_message(
-            QueueUrl=self.settings.queue_url,
-            MaxNumberOfMessages=count,
-            WaitTimeSeconds=self.settings.wait_time_seconds,
-            VisibilityTimeout=self.settings.visibility_timeout,
-            MessageSystemAttributeNames=["All"],
-            MessageAttributeNames=["All"],
-        )
-        return started, list(response.get("Messages") or [])
-
     async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
         settings = self.settings
         self._client = await self._connect()
-        await self._check_queues()
+        self._dlq_fifo = await self._api.check_queues(self._client, fifo=self._fifo)
         await self.cohort_ready()
         visibility = settings.visibility_timeout
         self._leases = self._unsettled.keep_leases(
@@ -385,7 +189,9 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                 available = self.credit() - sum(receives.values())
                 while len(receives) < settings.concurrent_receives and available > 0:
                     count = min(SQS_BATCH, available)
-                    task = asyncio.create_task(self._receive(count), name=f"sqs-receive[{settings.queue_name}]")
+                    task = asyncio.create_task(
+                        self._api.receive(self._client, count), name=f"sqs-receive[{settings.queue_name}]"
+                    )
                     receives[task] = count
                     available -= count
                 if not receives:
@@ -397,11 +203,11 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                     del receives[task]
                     try:
                         started, messages = task.result()
-                    except (boto.BotoCoreError, boto.ClientError) as exc:
-                        delay = errors.failed() if self._is_transient(exc) else None
+                    except AWS_ERRORS as exc:
+                        delay = errors.failed() if is_transient(exc) else None
                         if delay is None:
-                            raise self._config_error(
-                                f"ReceiveMessage failed: {self._explain(exc, settings.queue_url)}", exc
+                            raise self._api.config_error(
+                                f"ReceiveMessage failed: {self._api.explain(exc, settings.queue_url)}", exc
                             ) from exc
                         self.log.warning("SQS receive failed (%s); retrying in %.0f s", exc, delay)
                         await asyncio.sleep(delay)
@@ -443,33 +249,15 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         )
 
     def _envelope(self, raw: dict[str, Any], delivery: SqsDelivery) -> tuple[dict[str, Any], str | None]:
-        system = raw.get("Attributes") or {}
-        attributes = {name: _attribute_text(value) for name, value in delivery.message_attributes.items()}
-        body: str | bytes = delivery.body
-        if attributes.get(TRANSFER_ENCODING_ATTRIBUTE, "").lower() == "base64":
-            try:
-                body = base64.b64decode(delivery.body, validate=True)
-            except (binascii.Error, ValueError):
-                body = delivery.body  # not base64 after all: show it as it is
-        metadata: dict[str, Any] = {"queue_url": self.settings.queue_url}
-        if delivery.group_id is not None:
-            metadata["message_group_id"] = delivery.group_id
-        for key, name in (("SequenceNumber", "sequence_number"), ("MessageDeduplicationId", "deduplication_id")):
-            if key in system:
-                metadata[name] = system[key]
-        first = system.get("ApproximateFirstReceiveTimestamp")
-        if first is not None:
-            metadata["first_received_at"] = iso_timestamp(int(first), unit="ms")
-        sent = system.get("SentTimestamp")
-        return self.envelope(
-            source=self.settings.queue_url,
+        fields = envelope_fields(
+            raw,
+            queue_url=self.settings.queue_url,
             message_id=delivery.message_id,
-            body=body,
-            attributes=attributes,
-            published_at=iso_timestamp(int(sent), unit="ms") if sent is not None else None,
-            delivery_attempt=delivery.delivery_attempt,
-            metadata=metadata,
+            body=delivery.body,
+            message_attributes=delivery.message_attributes,
+            group_id=delivery.group_id,
         )
+        return self.envelope(**fields, delivery_attempt=delivery.delivery_attempt)
 
     async def _cancel_receives(self) -> None:
         tasks = list(self._receives)
@@ -601,61 +389,16 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
             out.append(kept)
         return out
 
-    async def _batch(
-        self,
-        what: str,
-        call: Callable[..., Awaitable[dict[str, Any]]],
-        queue_url: str,
-        entries: Sequence[dict[str, Any]],
-    ) -> dict[int, dict[str, Any]]:
-        """
-        One SQS batch call over ``entries`` (<= 10; their ``Id`` is added here), retrying the
-        entries that failed on the server side and calls that failed as a whole.
-
-        Returns the per-entry client errors (``SenderFault``: a retry cannot fix them) by index.
-        Raises :class:`SqsAdvanceError` when server-side failures or call errors remain after the
-        retries.
-        """
-        faults: dict[int, dict[str, Any]] = {}
-
-        async def send(pending: list[int]) -> Retry[int]:
-            self.counters.add("api_calls")
-            try:
-                response = await call(
-                    QueueUrl=queue_url, Entries=[{"Id": str(i), **entries[index]} for i, index in enumerate(pending)]
-                )
-            except (boto.BotoCoreError, boto.ClientError) as exc:
-                return pending, self._explain(exc, self.settings.queue_url)
-            retry: list[int] = []
-            error = ""
-            for failure in response.get("Failed") or []:
-                index = pending[int(failure["Id"])]
-                if failure.get("SenderFault"):
-                    faults[index] = failure
-                else:
-                    retry.append(index)
-                    error = f"{failure.get('Code')}: {failure.get('Message')}"
-            return retry, error
-
-        left, error = await retry_entries(range(len(entries)), send, attempts=_ENTRY_RETRIES, backoff=_ENTRY_BACKOFF)
-        if left:
-            raise SqsAdvanceError(
-                f"SQS {what} on {self.settings.queue_url} still failing for {len(left)} message(s) "
-                f"after {_ENTRY_RETRIES} attempts ({error}); not advanced, they come back after their "
-                "visibility timeout"
-            )
-        return faults
-
     async def _delete(self, deliveries: Sequence[SqsDelivery]) -> set[str]:
         """COMMIT: delete in batches of 10; return the receipt handles whose lease was gone (not deleted)."""
         lost: set[str] = set()
         queue_url = self.settings.queue_url
         for chunk in chunks(deliveries, SQS_BATCH):
             entries = [{"ReceiptHandle": delivery.receipt_handle} for delivery in chunk]
-            faults = await self._batch("DeleteMessageBatch", self._client.delete_message_batch, queue_url, entries)
+            faults = await self._api.batch("DeleteMessageBatch", self._client.delete_message_batch, queue_url, entries)
             for index, failure in faults.items():
                 delivery = chunk[index]
-                if failure.get("Code") in _LEASE_GONE_CODES:
+                if failure.get("Code") in LEASE_GONE_CODES:
                     lost.add(delivery.receipt_handle)
                     continue
                 raise SqsAdvanceError(
@@ -685,7 +428,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         refused: list[str] = []
         for chunk in chunks(changes, SQS_BATCH):
             entries = [{"ReceiptHandle": handle, "VisibilityTimeout": seconds} for handle, seconds in chunk]
-            faults = await self._batch(
+            faults = await self._api.batch(
                 f"ChangeMessageVisibilityBatch ({purpose})",
                 self._client.change_message_visibility_batch,
                 self.settings.queue_url,
@@ -700,7 +443,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         assert dlq_url is not None
         for chunk in chunks(entries, SQS_BATCH):
             records = [self._dead_letter_record(entry) for entry in chunk]
-            faults = await self._batch(
+            faults = await self._api.batch(
                 "SendMessageBatch (dead letter)", self._client.send_message_batch, dlq_url, records
             )
             if faults:
@@ -714,22 +457,16 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
     def _dead_letter_record(self, entry: Decided[SqsDelivery]) -> dict[str, Any]:
         """The original body and message attributes, plus ``x-dead-letter-*`` while SQS's 10-attribute limit allows."""
         delivery = entry.delivery
-        attributes: dict[str, Any] = {
-            name: {k: v for k, v in value.items() if k in ("DataType", "StringValue", "BinaryValue")}
-            for name, value in delivery.message_attributes.items()
-        }
         fields = dead_letter_fields(
             reason=entry.decision.reason[:1024], source=self.settings.queue_url, message_id=delivery.message_id
         )
-        extra = {name: {"DataType": "String", "StringValue": text} for name, text in fields.items()}
-        add_within_limit(attributes, extra, limit=MAX_MESSAGE_ATTRIBUTES, overwrite=False)
-        record: dict[str, Any] = {"MessageBody": delivery.body}
-        if attributes:
-            record["MessageAttributes"] = attributes
-        if self._dlq_fifo:
-            record["MessageGroupId"] = delivery.group_id or "dead-letter"
-            record["MessageDeduplicationId"] = delivery.message_id
-        return record
+        return send_entry(
+            delivery.body,
+            delivery.message_attributes,
+            fields,
+            group_id=(delivery.group_id or "dead-letter") if self._dlq_fifo else None,
+            deduplication_id=delivery.message_id,
+        )
 
     # -- close ---------------------------------------------------------------------------------
     async def _close(self) -> None:
@@ -763,14 +500,4 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                 )
         finally:
             self._client = None
-            stack, self._stack = self._stack, None
-            if stack is not None:
-                await stack.aclose()
-
-
-def _attribute_text(value: dict[str, Any]) -> str:
-    if "StringValue" in value:
-        return str(value["StringValue"])
-    if "BinaryValue" in value:
-        return text_value(value["BinaryValue"])
-    return ""
+            await self._api.aclose()

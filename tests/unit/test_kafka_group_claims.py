@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from airflow_shared_stream_provider import SharedStreamConfigError
-from airflow_shared_stream_provider.producers.kafka import ConsumerGroupClaims, GroupClaim, bootstrap_addresses
 from airflow_shared_stream_provider.producers.kafka_config import GroupSource, ResolvedGroup
+from airflow_shared_stream_provider.producers.kafka_groups import ConsumerGroupClaims, GroupClaim, bootstrap_addresses
 from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger
 
 

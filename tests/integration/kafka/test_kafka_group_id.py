@@ -18,7 +18,7 @@ from airflow.triggers.base import TriggerEvent
 from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
-from airflow_shared_stream_provider.producers.kafka import group_claims
+from airflow_shared_stream_provider.producers.kafka_groups import group_claims
 from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger
 from devkit.runner import RunnerSim, wait_until
 from tests.integration.contract import wait_until_async
