@@ -89,6 +89,16 @@ def get_provider_info() -> dict[str, Any]:
                         "example": None,
                         "default": "60.0",
                     },
+                    "cohort_record": {
+                        "description": "Keep each stream's cohort record (its watchers) in the watchers' asset state "
+                        "stores, so a\n"
+                        "restarted triggerer waits for every one of them. Its first use makes the triggerer's\n"
+                        "supervisor build Airflow's in-process Execution API (about 80 MB more memory, once).\n",
+                        "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": None,
+                        "default": "True",
+                    },
                 },
             },
         },

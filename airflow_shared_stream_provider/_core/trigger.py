@@ -37,7 +37,7 @@ from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow.triggers.shared_stream import reject_shared_stream_event
 
 from airflow_shared_stream_provider._core.batching import MessageBatch
-from airflow_shared_stream_provider._core.cohort import identity_of, record_key, stores_of
+from airflow_shared_stream_provider._core.cohort import cohort_record_enabled, identity_of, record_key, stores_of
 from airflow_shared_stream_provider._core.envelope import OversizePolicy, StreamMessage
 from airflow_shared_stream_provider._core.errors import RejectMessage, SharedStreamConfigError
 from airflow_shared_stream_provider._core.filtering import (
@@ -193,7 +193,7 @@ class SharedStreamTrigger(BaseEventTrigger):
         gate = gates.acquire(key)
         token = id(self)
         gate.register(token)
-        stores = stores_of(self.asset_state_store)
+        stores = stores_of(self.asset_state_store) if cohort_record_enabled() else []
         gate.cohort.join(
             token, identity_of([name for name, _ in stores], self._watcher_spec()), stores, record_key(key)
         )

@@ -160,3 +160,15 @@ async def test_a_member_that_never_comes_back_is_waited_for_once_then_forgotten(
     assert 1.0 <= waited < 10
     assert short_of(runner, 2, 10) == {}
     assert len(assets.values["asset_1"][key]) == 2
+
+
+async def test_cohort_record_off_touches_no_state_store(broker: MemoryBroker, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW__SHARED_STREAM_PROVIDER__COHORT_RECORD", "False")
+    assets = Assets()
+    publish(broker, 5)
+    async with RunnerSim(SharedStreamManager(), confirm_interval=0.01) as runner:
+        await add_in_waves(runner, broker, assets, 3, wave=3, pause=0)
+        await wait_until(lambda: len(broker.committed) == 5, timeout=10, what="5 commits")
+    assert short_of(runner, 3, 5) == {}
+    assert all(store.writes == 0 for store in assets.stores.values())
+    assert all(not values for values in assets.values.values())

@@ -75,15 +75,25 @@ class KafkaAdapter:
         return KafkaSharedStreamTrigger(**options)
 
     async def publish(
-        self, bodies: Sequence[bytes], *, attributes: Mapping[str, str] | None = None, partition: int | None = None
+        self,
+        bodies: Sequence[bytes | None],
+        *,
+        attributes: Mapping[str, str] | None = None,
+        partition: int | None = None,
+        key: bytes | None = None,
+        headers: Sequence[tuple[str, bytes | None]] | None = None,
     ) -> None:
-        headers = [(k, v.encode()) for k, v in (attributes or {}).items()]
+        """Records get ``key`` and headers (``attributes`` UTF-8, then raw ``headers``); a None body is a tombstone."""
+        record_headers: list[tuple[str, bytes | None]] = [(k, v.encode()) for k, v in (attributes or {}).items()]
+        record_headers.extend(headers or ())
         producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all")
         await producer.start()
         try:
             for i, body in enumerate(bodies):
                 target = partition if partition is not None else (self.published + i) % self.partitions
-                await producer.send_and_wait(self.topic, body, partition=target, headers=headers or None)
+                await producer.send_and_wait(
+                    self.topic, body, key=key, partition=target, headers=record_headers or None
+                )
         finally:
             await producer.stop()
         self.published += len(bodies)

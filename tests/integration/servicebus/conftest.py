@@ -247,8 +247,11 @@ class ServiceBusAdapter:
         options.update(kwargs)
         return ServiceBusSharedStreamTrigger(**options)
 
-    async def publish(self, bodies: Sequence[bytes], *, attributes: Mapping[str, str] | None = None) -> None:
-        await self.sb.publish(self.queue, bodies, attributes=attributes)
+    async def publish(
+        self, bodies: Sequence[bytes], *, attributes: Mapping[str, Any] | None = None, **message_kwargs: Any
+    ) -> None:
+        """``attributes``: application properties (any AMQP type); ``message_kwargs``: ServiceBusMessage's own."""
+        await self.sb.publish(self.queue, bodies, attributes=attributes, **message_kwargs)
 
     async def unsettled(self) -> int:
         return await self.sb.unsettled(self.queue)

@@ -117,17 +117,20 @@ class SqsAdapter:
         *,
         attributes: Mapping[str, str] | None = None,
         group_id: str | None = None,
+        message_attributes: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
+        """``attributes``: String attributes; ``message_attributes``: SQS's own shape (any DataType)."""
         entries: list[dict[str, Any]] = []
         for index, body in enumerate(bodies):
             text, extra = sqs_body(body)
-            message_attributes = {
+            entry_attributes = {
                 name: {"DataType": "String", "StringValue": value} for name, value in (attributes or {}).items()
             }
-            message_attributes.update(extra)
+            entry_attributes.update({name: dict(value) for name, value in (message_attributes or {}).items()})
+            entry_attributes.update(extra)
             entry: dict[str, Any] = {"Id": str(index), "MessageBody": text}
-            if message_attributes:
-                entry["MessageAttributes"] = message_attributes
+            if entry_attributes:
+                entry["MessageAttributes"] = entry_attributes
             if group_id is not None:
                 entry["MessageGroupId"] = group_id
                 entry["MessageDeduplicationId"] = uuid.uuid4().hex

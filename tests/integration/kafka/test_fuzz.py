@@ -1,0 +1,178 @@
+"""
+Fuzzed input through a real Kafka-protocol broker (Tansu, or KAFKA_BOOTSTRAP_SERVERS): see
+tests/integration/fuzz.py.
+
+Streams: a 3-partition topic (one envelope per event) and one in batch mode. Input: every body
+category of the shared strategies plus tombstones (no value), keys of random bytes (none, empty,
+non-UTF-8, up to 3000 bytes), headers with odd names and non-UTF-8 or null values, repeated names,
+and up to 200 of them.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Final
+
+import pytest
+from airflow.triggers.shared_stream import SharedStreamManager
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from devkit.runner import RunnerSim
+from tests.integration.fuzz import (
+    FUZZ_SETTINGS,
+    HUGE_MIN_BYTES,
+    RAISE_ATTRIBUTE,
+    DeadRecord,
+    FuzzMessage,
+    FuzzSession,
+    batches,
+    bodies,
+    raise_texts,
+    settle_or_fail,
+)
+from tests.integration.kafka.conftest import KafkaAdapter, create_topics
+
+pytestmark = [pytest.mark.integration, pytest.mark.kafka]
+
+DEAD_LETTER_PREFIX: Final = "x-dead-letter-"
+
+header_names = (st.text(max_size=24) | st.sampled_from(["", "\x00", "é", "🔑" * 8, "n" * 300])).filter(
+    lambda name: not name.startswith(DEAD_LETTER_PREFIX) and name != RAISE_ATTRIBUTE
+)
+header_values = (
+    st.none()
+    | st.binary(max_size=32)
+    | st.text(max_size=32).map(str.encode)
+    | st.sampled_from([b"", b"\xff\xfe", b"\xc3", b"\x00", b"\xed\xa0\x80", b"v" * 1024])
+)
+few_headers = st.lists(st.tuples(header_names, header_values), max_size=8)
+many_headers = st.integers(min_value=50, max_value=200).map(lambda n: [(f"h{i % 40}", b"%d" % i) for i in range(n)])
+keys = (
+    st.none()
+    | st.binary(max_size=48)
+    | st.sampled_from([b"", b"\x00", b"\xff\xfe\xfd", "clé".encode(), b"k" * 3000])
+    | st.binary(min_size=500, max_size=3000)
+)
+
+
+@st.composite
+def kafka_messages(draw: st.DrawFn) -> FuzzMessage:
+    body, huge = draw(bodies() | st.just((None, False)))
+    raise_text = draw(raise_texts())
+    headers = draw(few_headers | many_headers)
+    key = draw(keys)
+    if body is None and key is None:
+        key = b"tombstone"  # a record needs a key or a value
+    return FuzzMessage(body, raise_text, huge, {"headers": headers, "key": key})
+
+
+def header_text(value: bytes | None) -> str:
+    if value is None:
+        return ""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return "base64:" + base64.b64encode(value).decode("ascii")
+
+
+def record_headers(message: FuzzMessage) -> list[tuple[str, bytes | None]]:
+    headers: list[tuple[str, bytes | None]] = []
+    if message.raise_text is not None:
+        headers.append((RAISE_ATTRIBUTE, message.raise_text.encode()))
+    headers.extend(message.extras["headers"])
+    return headers
+
+
+class KafkaFuzzTarget:
+    """A topic, its DLQ topic and consumer group, for the fuzzing property."""
+
+    def __init__(self, adapter: KafkaAdapter, name: str, *, batch_size: int = 1) -> None:
+        self.adapter = adapter
+        self.name = name
+        self.batch_size = batch_size
+
+    def make_trigger(self, **kwargs: Any) -> Any:
+        return self.adapter.make_trigger(**kwargs)
+
+    async def publish(self, messages: Sequence[FuzzMessage]) -> None:
+        for message in messages:
+            await self.adapter.publish([message.body], key=message.extras["key"], headers=record_headers(message))
+
+    async def unsettled(self) -> int:
+        return await self.adapter.unsettled()
+
+    async def dead_letters(self) -> list[DeadRecord]:
+        records = []
+        for record in await self.adapter.dead_letter_records():
+            reasons = [value for name, value in record.headers if name == DEAD_LETTER_PREFIX + "reason"]
+            reason = reasons[-1].decode() if reasons else None
+            records.append(DeadRecord(record.offset, record.value, reason, {"headers": record.headers}, record.key))
+        return records
+
+    def expected_attributes(self, message: FuzzMessage) -> dict[str, str]:
+        return {name: header_text(value) for name, value in record_headers(message)}
+
+    def reason_may_be_missing(self, message: FuzzMessage) -> bool:
+        return False
+
+    def check_dead_record(self, message: FuzzMessage, record: DeadRecord) -> None:
+        assert record.key == message.extras["key"], "the dead letter lost its key"
+        sent = record_headers(message)
+        headers = list(record.attributes["headers"])
+        assert headers[: len(sent)] == sent, "the dead letter lost or changed headers"
+        assert all(name.startswith(DEAD_LETTER_PREFIX) for name, _ in headers[len(sent) :])
+
+
+@pytest.fixture
+async def session(kafka_bootstrap: str, kafka_conn: str) -> AsyncIterator[FuzzSession]:
+    targets = []
+    for name, batch_size in (("single", 1), ("batch", 4)):
+        adapter = KafkaAdapter(kafka_bootstrap, kafka_conn)
+        await create_topics(kafka_bootstrap, adapter.topic, partitions=3)
+        await create_topics(kafka_bootstrap, adapter.dlq_topic, partitions=1)
+        targets.append(KafkaFuzzTarget(adapter, name, batch_size=batch_size))
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
+        yield FuzzSession.start(runner, targets)
+
+
+def _plain(body: bytes | None, **fields: Any) -> FuzzMessage:
+    return FuzzMessage(body, extras={"headers": [], "key": None if body is not None else b"tombstone"}, **fields)
+
+
+@pytest.mark.timeout(300)
+@FUZZ_SETTINGS
+@given(batch=batches(kafka_messages()))
+@example(
+    batch=[
+        _plain(None),
+        _plain(b"\x00\xff\xfe"),
+        _plain(b"[" * 500 + b"]" * 500),
+        _plain(b'{"v": NaN, "kind": "a"}', raise_text="nan"),
+        _plain(b'{"kind":"a","blob":"' + b"x" * HUGE_MIN_BYTES + b'"}', huge=True),
+        FuzzMessage(b"", extras={"headers": [("h", b"\xff"), ("h", None), ("", b"")], "key": b"\xff\x00"}),
+    ]
+)
+async def test_fuzzed_input_is_delivered_or_dead_lettered(session: FuzzSession, batch: list[FuzzMessage]) -> None:
+    await session.run(batch)
+
+
+# -- provider bugs found by the fuzzing ----------------------------------------------------------------
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="bug: producers/kafka.py _dead_letter re-sends the record with x-dead-letter-* headers added, so a "
+    "record near the size limit (max_request_size / message.max.bytes, 1 MiB by default) cannot be dead-lettered: "
+    "MessageSizeTooLargeError, advance raises, the group ends, the partition never advances past it (every restart "
+    "fails the same way and redelivers what follows)",
+)
+async def test_a_record_near_the_size_limit_blocks_its_partition(adapter: KafkaAdapter) -> None:
+    # Over max_payload_bytes (so dead-lettered), and just small enough for the publisher's 1 MiB request limit.
+    await adapter.publish([b"x" * (1024 * 1024 - 300), b"after"], partition=0)
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
+        runner.add(1, adapter.make_trigger())
+        await settle_or_fail(runner, adapter.unsettled, timeout=30)
+        assert not runner.failures, f"the stream crashed: {runner.failures!r}"
+        assert await adapter.unsettled() == 0, "the partition is stuck"
+    assert [p["body"] for p in runner.persisted[1]] == ["after"]
