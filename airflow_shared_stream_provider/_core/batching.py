@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator
@@ -50,19 +51,24 @@ from airflow_shared_stream_provider._core.envelope import DeliveryLike, StreamMe
 DEFAULT_BATCH_TIMEOUT: Final = 0.5
 MAX_BATCH_SIZE: Final = 10_000
 # Bytes of ``{"messages":[...]}`` around the envelopes, and of one separating comma.
-_BATCH_OVERHEAD: Final = 16
+BATCH_OVERHEAD: Final = 16
 
 _encode = msgspec.json.Encoder().encode
 
 
 def envelope_size(envelope: dict[str, Any]) -> int:
-    """Serialized size of one envelope in a batch payload (the metadata DB stores JSON)."""
+    """
+    Size of one envelope in a batch payload, plus its separating comma, measured as the single
+    envelope cap is (``json.dumps``, non-ASCII escaped): msgspec's UTF-8 output when it is ASCII
+    (the usual case, fast), else the escaped length.
+    """
     try:
-        return len(_encode(envelope)) + 1
+        encoded = _encode(envelope)
+        if encoded.isascii():
+            return len(encoded) + 1
     except (TypeError, msgspec.EncodeError):  # pragma: no cover - envelopes are JSON-safe by construction
-        import json
-
-        return len(json.dumps(envelope, separators=(",", ":"), default=str)) + 1
+        pass
+    return len(json.dumps(envelope, separators=(",", ":"), default=str)) + 1
 
 
 class MessageBatch:
@@ -97,7 +103,7 @@ class _Forming:
     def __init__(self, lane: Hashable, deadline: float) -> None:
         self.batch = MessageBatch(lane, [], [])
         self.deadline = deadline
-        self.size = _BATCH_OVERHEAD
+        self.size = BATCH_OVERHEAD
 
 
 class Batcher:

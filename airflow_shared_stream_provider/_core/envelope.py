@@ -113,6 +113,12 @@ _JSON_FIRST_CHARS: Final = frozenset('{["-0123456789tfn \t\r\n')
 _JSON_FIRST_BYTES: Final = frozenset(char.encode() for char in _JSON_FIRST_CHARS)
 
 
+# What msgspec raises for bytes that are not (storable) JSON: a parse error, invalid UTF-8 inside a
+# JSON string (UnicodeDecodeError), or nesting deeper than it recurses (RecursionError). Found by
+# the fuzz tests through the real brokers; each used to end the producer's receive loop.
+_NOT_JSON: Final = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+
 def decode_body(data: bytes | str | None) -> tuple[Any, str]:
     """Decode message bytes: JSON if they parse (strictly), else UTF-8 text, else base64 (never raises)."""
     if data is None:
@@ -121,13 +127,13 @@ def decode_body(data: bytes | str | None) -> tuple[Any, str]:
         if data[:1] in _JSON_FIRST_CHARS:
             try:
                 return _decode_json(data), "json"
-            except msgspec.DecodeError:
+            except _NOT_JSON:
                 pass
         return data, "text"
     if bytes(data[:1]) in _JSON_FIRST_BYTES:
         try:
             return _decode_json(data), "json"
-        except msgspec.DecodeError:
+        except _NOT_JSON:
             pass
     try:
         return bytes(data).decode("utf-8"), "text"
@@ -247,9 +253,12 @@ def build_envelope(
     }
     raw_size = len(body) if body is not None else 0
     attr_size = sum(len(k) + len(v) for k, v in attributes.items()) if attributes else 0
-    if (raw_size + attr_size) * _JSON_WORST_CASE_GROWTH + _ENVELOPE_OVERHEAD <= max_payload_bytes:
+    # Everything else that can be long (source, id, metadata such as a Kafka key or an ordering
+    # key) counts too: the shortcut below must never let an over-cap envelope through.
+    other_size = len(source) + len(message_id) + _text_size(metadata)
+    if (raw_size + attr_size + other_size) * _JSON_WORST_CASE_GROWTH + _ENVELOPE_OVERHEAD <= max_payload_bytes:
         return envelope, None
-    size = len(json.dumps(envelope, separators=(",", ":"), default=str))
+    size = _json_size(envelope)
     if size <= max_payload_bytes:
         return envelope, None
     reason = f"payload too large: envelope is {size} bytes, max_payload_bytes={max_payload_bytes}"
@@ -263,12 +272,25 @@ def build_envelope(
     envelope["body_encoding"] = "none"
     envelope["body_truncated"] = True
     envelope["body_bytes"] = raw_size
-    if len(json.dumps(envelope, separators=(",", ":"), default=str)) > max_payload_bytes:
+    if _json_size(envelope) > max_payload_bytes:
         # Even without the body the attributes/metadata are over the cap: drop attributes too
         # rather than write an unbounded row into the metadata DB.
         envelope["attributes"] = {}
         envelope["attributes_truncated"] = True
     return envelope, None
+
+
+def _text_size(metadata: Mapping[str, Any]) -> int:
+    """Characters of a flat metadata dict's keys and values (nested values by their ``str``)."""
+    size = 0
+    for key, value in metadata.items():
+        size += len(key) + (len(value) if isinstance(value, str) else len(str(value)) if value is not None else 0)
+    return size
+
+
+def _json_size(envelope: Mapping[str, Any]) -> int:
+    """Size of the envelope as JSON, non-ASCII escaped (never less than its UTF-8 bytes)."""
+    return len(json.dumps(envelope, separators=(",", ":"), default=str))
 
 
 def body_bytes_of(envelope: Mapping[str, Any]) -> bytes:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
-from airflow_shared_stream_provider._core.batching import Batcher, MessageBatch, batched_stream
+from airflow_shared_stream_provider._core.batching import BATCH_OVERHEAD, Batcher, MessageBatch, batched_stream
 from airflow_shared_stream_provider._core.cohort import cohort_limits, record_key
 from airflow_shared_stream_provider._core.dispositions import COMMIT_DECISION, Decision, Disposition, decide
 from airflow_shared_stream_provider._core.envelope import BrokerName, DeliveryLike, StreamMessage, build_envelope
@@ -151,6 +151,9 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         # receive loop but not yet broadcast in a batch are ``_unbatched``.
         self.batch_size = settings.batch_size
         self.batching = settings.batch_size > 1
+        # The cap one envelope is built against: in batch mode a batch of that one envelope alone
+        # ({"messages": [...]}) must still fit max_payload_bytes.
+        self.max_envelope_bytes = settings.max_payload_bytes - (BATCH_OVERHEAD if self.batching else 0)
         self._unbatched = 0
         self._batches_in_flight = 0
 
@@ -258,7 +261,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             published_at=published_at,
             delivery_attempt=delivery_attempt,
             metadata=metadata,
-            max_payload_bytes=self.settings.max_payload_bytes,
+            max_payload_bytes=self.max_envelope_bytes,
             oversize_policy=self.settings.oversize_policy,
         )
 

@@ -214,7 +214,7 @@ class SharedStreamTrigger(BaseEventTrigger):
                         continue
                     except Exception as exc:
                         if self._on_filter_exception(raw, exc):
-                            self._reject(raw, f"filter raised {type(exc).__name__}: {exc}")
+                            self._reject(raw, _describe_filter_error(exc))
                         continue
                     if fire:
                         gate.fired += 1
@@ -267,13 +267,13 @@ class SharedStreamTrigger(BaseEventTrigger):
                 if self.on_filter_error == "fail":
                     # This watcher leaves now: the events of the messages it accepted before are
                     # never yielded, and it never sees the ones after. All must come back.
-                    error = f"filter raised {type(exc).__name__}: {exc}"
+                    error = _describe_filter_error(exc)
                     for other in messages[:index] + messages[index + 1 :]:
                         other.fail(f"watcher stopped on {message.envelope.get('message_id')!r} in the same batch")
                     message.fail(error)
                     raise
                 if self._on_filter_exception(message, exc):
-                    message.reject(f"filter raised {type(exc).__name__}: {exc}")
+                    message.reject(_describe_filter_error(exc))
                 continue
             if fire:
                 accepted.append(message.envelope)
@@ -282,7 +282,7 @@ class SharedStreamTrigger(BaseEventTrigger):
     def _on_filter_exception(self, message: StreamMessage, exc: Exception) -> bool:
         """Apply ``on_filter_error`` to a filter exception; True means: reject the message."""
         if self.on_filter_error == "fail":
-            message.fail(f"filter raised {type(exc).__name__}: {exc}")
+            message.fail(_describe_filter_error(exc))
             raise exc
         log.exception(
             "Filter raised on message %s (on_filter_error=%s)",
@@ -368,6 +368,15 @@ class SharedStreamTrigger(BaseEventTrigger):
             "(Airflow >= 3.3); it has no standalone run() path"
         )
         yield  # pragma: no cover
+
+
+def _describe_filter_error(exc: BaseException) -> str:
+    """``filter raised KeyError: 'customer'``; never raises, even for an exception whose ``str`` does."""
+    try:
+        text = str(exc)
+    except Exception as render_error:  # a broken __str__ must not lose the message (fuzz-found)
+        text = f"<unprintable: str() raised {type(render_error).__name__}>"
+    return f"filter raised {type(exc).__name__}: {text}"
 
 
 def _import_producer(path: str) -> type:

@@ -312,7 +312,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         await self.cohort_ready()
         poll_ms = int(self.settings.poll_timeout * 1000)
         group_id = self.group_id
-        max_payload_bytes = self.settings.max_payload_bytes
+        max_payload_bytes = self.max_envelope_bytes
         oversize_policy = self.settings.oversize_policy
         while True:
             credit = await self._credit_or_keepalive(consumer)

@@ -49,7 +49,7 @@ from typing import Any, Final
 from airflow_shared_stream_provider import SharedStreamConfigError
 from airflow_shared_stream_provider._core.ack_buffer import AckBuffer
 from airflow_shared_stream_provider._core.attempts import MessageCounts
-from airflow_shared_stream_provider._core.dead_letter import add_within_limit, dead_letter_fields
+from airflow_shared_stream_provider._core.dead_letter import add_within_limit, cut_utf8, dead_letter_fields
 from airflow_shared_stream_provider._core.dispositions import Disposition
 from airflow_shared_stream_provider._core.envelope import iso_timestamp
 from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError
@@ -367,7 +367,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         """The original data and attributes, plus the non-empty ``x-dead-letter-*`` ones while 100 attributes allow."""
         delivery = entry.delivery
         fields = dead_letter_fields(
-            reason=entry.decision.reason[: MAX_ATTRIBUTE_VALUE - 1],
+            reason=cut_utf8(entry.decision.reason, MAX_ATTRIBUTE_VALUE),  # the limit is in bytes
             source=self.source_label(),
             message_id=delivery.message_id,
             delivery_attempt=str(delivery.delivery_attempt),

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 from airflow_shared_stream_provider._core.attempts import MessageCounts
-from airflow_shared_stream_provider._core.dead_letter import dead_letter_fields
+from airflow_shared_stream_provider._core.dead_letter import dead_letter_fields, xml_text
 from airflow_shared_stream_provider._core.dispositions import Decision, Disposition
 from airflow_shared_stream_provider._core.envelope import StreamMessage
 from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError
@@ -458,7 +458,9 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         """The original body and message attributes, plus ``x-dead-letter-*`` while SQS's 10-attribute limit allows."""
         delivery = entry.delivery
         fields = dead_letter_fields(
-            reason=entry.decision.reason[:1024], source=self.settings.queue_url, message_id=delivery.message_id
+            reason=xml_text(entry.decision.reason[:1024]),
+            source=self.settings.queue_url,
+            message_id=xml_text(delivery.message_id),
         )
         return send_entry(
             delivery.body,

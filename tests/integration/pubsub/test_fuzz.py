@@ -74,7 +74,7 @@ def pubsub_known_bug(message: FuzzMessage) -> str | None:
     if message.raise_text is not None:
         _, body = expected_decoding(message.body)
         if utf8_size(filter_reason(message.raise_text, body)[: MAX_VALUE_BYTES - 1]) > MAX_VALUE_BYTES:
-            # test_a_long_non_ascii_reason_is_dead_lettered_over_the_attribute_limit
+            # test_a_long_non_ascii_reason_is_cut_to_the_attribute_limit
             return "dead-letter reason over Pub/Sub's 1024-byte attribute value limit"
     return None
 
@@ -173,15 +173,10 @@ async def test_fuzzed_input_is_delivered_or_dead_lettered(session: FuzzSession, 
 
 
 # -- provider bugs found by the fuzzing (excluded from the generated input above) ------------------------
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: _core/envelope.py build_envelope skips the exact size check when (body + attributes) * 6 + 512 "
-    "<= max_payload_bytes, but source, message_id and metadata are not counted (here a Pub/Sub ordering key; a "
-    "Kafka key, unbounded even under the default 64 KiB cap, a FIFO group id or Service Bus ids alike): the "
-    "envelope is delivered over the cap",
-)
-async def test_small_body_with_long_metadata_is_delivered_over_the_cap(adapter: PubSubAdapter) -> None:
+# Regression test of a bug this fuzzing found (fixed): _core/envelope.py build_envelope skips the exact size check
+# when (body + attributes) * 6 + 512 <= max_payload_bytes, but source, message_id and metadata are not counted (here
+# a Pub/Sub ordering key; a Kafka key, unbounded even under the def
+async def test_small_body_with_long_metadata_is_checked_against_the_cap(adapter: PubSubAdapter) -> None:
     await adapter.publish([b"x"], ordering_key='"' * 1000)
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger(max_payload_bytes=MAX_PAYLOAD_BYTES))
@@ -192,14 +187,10 @@ async def test_small_body_with_long_metadata_is_delivered_over_the_cap(adapter: 
     assert all(size <= MAX_PAYLOAD_BYTES for size in sizes), f"envelope of {sizes} bytes, cap {MAX_PAYLOAD_BYTES}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: producers/pubsub.py _dead_letter_message cuts the reason at 1023 characters, but Pub/Sub limits "
-    "attribute values to 1024 bytes: a non-ASCII reason over the limit makes Publish fail with InvalidArgument on "
-    "Pub/Sub (the emulator accepts it), advance raises, the group ends, and the message is never dead-lettered",
-)
-async def test_a_long_non_ascii_reason_is_dead_lettered_over_the_attribute_limit(adapter: PubSubAdapter) -> None:
+# Regression test of a bug this fuzzing found (fixed): producers/pubsub.py _dead_letter_message cuts the reason at
+# 1023 characters, but Pub/Sub limits attribute values to 1024 bytes: a non-ASCII reason over the limit makes
+# Publish fail with InvalidArgument on Pub/Sub (the emulator accepts it),
+async def test_a_long_non_ascii_reason_is_cut_to_the_attribute_limit(adapter: PubSubAdapter) -> None:
     await adapter.publish([b"x"], attributes={RAISE_ATTRIBUTE: "é" * 500})  # 1000 bytes: a valid attribute
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger(filter_function="tests.integration.fuzz.raise_on_marked"))

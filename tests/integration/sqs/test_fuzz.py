@@ -21,7 +21,7 @@ from airflow.triggers.shared_stream import SharedStreamManager
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from devkit.runner import RunnerSim, wait_until
+from devkit.runner import RunnerSim
 from tests.integration.contract import wait_until_settled
 from tests.integration.fuzz import (
     FUZZ_SETTINGS,
@@ -125,7 +125,7 @@ def sqs_known_bug(message: FuzzMessage) -> str | None:
     if message.raise_text is not None:
         _, body = expected_decoding(message.body)
         if not valid_sqs_text(filter_reason(message.raise_text, body)[:1024]):
-            # test_a_reason_with_characters_sqs_refuses_is_sent_to_the_dlq
+            # test_a_reason_with_characters_sqs_refuses_is_made_sendable
             return "dead-letter reason with characters SQS refuses in an attribute value"
     return None
 
@@ -262,14 +262,10 @@ async def test_fuzzed_input_is_delivered_or_dead_lettered(session: FuzzSession, 
 
 
 # -- provider bugs found by the fuzzing (excluded from the generated input above) ------------------------
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: _core/envelope.py decode_body catches only msgspec.DecodeError, but msgspec raises "
-    "UnicodeDecodeError for invalid UTF-8 inside a JSON string: the producer's receive loop raises, the group "
-    "ends (every watcher fails) and the message is never settled (it crashes the stream again on redelivery)",
-)
-async def test_invalid_utf8_inside_a_json_string_crashes_the_stream(adapter: SqsAdapter) -> None:
+# Regression test of a bug this fuzzing found (fixed): _core/envelope.py decode_body catches only
+# msgspec.DecodeError, but msgspec raises UnicodeDecodeError for invalid UTF-8 inside a JSON string: the producer's
+# receive loop raises, the group ends (every watcher fails) and the message is never
+async def test_invalid_utf8_inside_a_json_string_does_not_crash_the_stream(adapter: SqsAdapter) -> None:
     await adapter.publish([b'["\xff"]', b"after"])
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger())
@@ -279,13 +275,10 @@ async def test_invalid_utf8_inside_a_json_string_crashes_the_stream(adapter: Sqs
     assert sorted(p["body_encoding"] for p in runner.persisted[1]) == ["base64", "text"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: _core/envelope.py decode_body lets msgspec's RecursionError through (JSON nested ~1000 deep or "
-    "more): the producer's receive loop raises, the group ends and the message is never settled",
-)
-async def test_deeply_nested_json_crashes_the_stream(adapter: SqsAdapter) -> None:
+# Regression test of a bug this fuzzing found (fixed): _core/envelope.py decode_body lets msgspec's RecursionError
+# through (JSON nested ~1000 deep or more): the producer's receive loop raises, the group ends and the message is
+# never settled
+async def test_deeply_nested_json_does_not_crash_the_stream(adapter: SqsAdapter) -> None:
     await adapter.publish([b"[" * 5000 + b"]" * 5000])
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger())
@@ -295,13 +288,10 @@ async def test_deeply_nested_json_crashes_the_stream(adapter: SqsAdapter) -> Non
     assert [p["body_encoding"] for p in runner.persisted[1]] in (["text"], ["json"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: _core/batching.py Batcher.add starts a batch at _BATCH_OVERHEAD but never checks it for the "
-    "first envelope: a batch of one envelope under the cap is up to 15 bytes over it",
-)
-async def test_a_batch_of_one_envelope_near_the_cap_is_over_it(adapter: SqsAdapter) -> None:
+# Regression test of a bug this fuzzing found (fixed): _core/batching.py Batcher.add starts a batch at
+# _BATCH_OVERHEAD but never checks it for the first envelope: a batch of one envelope under the cap is up to 15
+# bytes over it
+async def test_a_batch_of_one_envelope_near_the_cap_stays_under_it(adapter: SqsAdapter) -> None:
     options: dict[str, Any] = {"max_payload_bytes": MAX_PAYLOAD_BYTES, "batch_size": 4, "batch_timeout": 0.2}
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger(**options))
@@ -312,24 +302,24 @@ async def test_a_batch_of_one_envelope_near_the_cap_is_over_it(adapter: SqsAdapt
         stamps = (probe["published_at"], probe["metadata"].get("first_received_at"))
         probe_size = payload_size(probe) + sum(7 for stamp in stamps if stamp and "." not in stamp)
         # The same envelope with a longer body: 4 bytes under the cap (every other field keeps its size).
-        await adapter.publish([b"x" * (1 + MAX_PAYLOAD_BYTES - 4 - probe_size)])
-        await wait_until(lambda: runner.count(1) >= 2, timeout=20, what="the second batch")
+        near_cap = b"x" * (1 + MAX_PAYLOAD_BYTES - 4 - probe_size)
+        await adapter.publish([near_cap])
+        # Alone in a batch it would be over the cap ({"messages":[...]} adds 15 bytes): in batch mode
+        # an envelope is capped at max_payload_bytes less that wrapper, so this one is dead-lettered
+        # as oversize (intact), and no event payload over the cap is ever stored.
+        await settle_or_fail(runner, adapter.unsettled)
         assert not runner.failures
-    envelope = runner.persisted[1][1]["messages"][0]
-    assert MAX_PAYLOAD_BYTES - 15 < payload_size(envelope) <= MAX_PAYLOAD_BYTES
-    size = payload_size(runner.persisted[1][1])
-    assert size <= MAX_PAYLOAD_BYTES, f"batch payload of {size} bytes, cap {MAX_PAYLOAD_BYTES}"
+    assert runner.count(1) == 1, "the near-cap message must not fire a batch over the cap"
+    assert await adapter.dead_lettered() == [near_cap]
+    for payload in runner.persisted[1]:
+        size = payload_size(payload)
+        assert size <= MAX_PAYLOAD_BYTES, f"batch payload of {size} bytes, cap {MAX_PAYLOAD_BYTES}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: producers/sqs.py _dead_letter_record sends the reason as the x-dead-letter-reason attribute "
-    "unchecked; a reason with a character SQS refuses in attribute values (here NUL, from the message's own "
-    "text) makes SendMessageBatch fail on AWS (moto accepts it): SqsAdvanceError ends the group, and the "
-    "message is never dead-lettered nor settled",
-)
-async def test_a_reason_with_characters_sqs_refuses_is_sent_to_the_dlq(adapter: SqsAdapter) -> None:
+# Regression test of a bug this fuzzing found (fixed): producers/sqs.py _dead_letter_record sends the reason as the
+# x-dead-letter-reason attribute unchecked; a reason with a character SQS refuses in attribute values (here NUL,
+# from the message's own text) makes SendMessageBatch fail on AWS (mot
+async def test_a_reason_with_characters_sqs_refuses_is_made_sendable(adapter: SqsAdapter) -> None:
     marked = {RAISE_ATTRIBUTE: {"DataType": "String", "StringValue": "bad:"}}
     await adapter.publish([b"a\x00b"], message_attributes=marked)  # sent as base64 (NUL is no SQS text)
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
@@ -342,15 +332,10 @@ async def test_a_reason_with_characters_sqs_refuses_is_sent_to_the_dlq(adapter: 
         assert text is None or valid_sqs_text(text), f"SQS refuses attribute {name!r} = {text!r}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: _core/trigger.py filter_shared_stream (and _filter_batch) format the reason as "
-    "f'filter raised {type(exc).__name__}: {exc}' inside the except block; an exception whose __str__ raises "
-    "escapes, the watcher's trigger fails, the manager resolves the message as accepted by it, and the message "
-    "is deleted: never delivered to that watcher nor dead-lettered (on_filter_error='reject' promises both)",
-)
-async def test_a_filter_exception_that_cannot_be_rendered_loses_the_message(adapter: SqsAdapter) -> None:
+# Regression test of a bug this fuzzing found (fixed): _core/trigger.py filter_shared_stream (and _filter_batch)
+# format the reason as f'filter raised {type(exc).__name__}: {exc}' inside the except block; an exception whose
+# __str__ raises escapes, the watcher's trigger fails, the manager resolve
+async def test_a_filter_exception_that_cannot_be_rendered_still_dead_letters(adapter: SqsAdapter) -> None:
     await adapter.publish([b"first"], message_attributes={RAISE_ATTRIBUTE: {"DataType": "String", "StringValue": "x"}})
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger(filter_function="tests.integration.fuzz.raise_unprintable_on_marked"))
