@@ -801,6 +801,9 @@ class TreeSampler:
 # ==================================================================================================
 # One case
 # ==================================================================================================
+PATCHES = Path(__file__).resolve().parent / "patches"
+
+
 @dataclass(frozen=True)
 class CaseSpec:
     broker: str
@@ -823,6 +826,8 @@ class CaseSpec:
     sample_interval: float
     keep_home: bool
     extra_kwargs: tuple[tuple[str, Any], ...] = ()
+    # "one-session": the local Airflow patch of bench/patches/sitecustomize.py (upstream proposal).
+    patch: str | None = None
 
     @property
     def label(self) -> str:
@@ -948,6 +953,7 @@ def run_phase(
 
 def run_case(spec: CaseSpec, broker: BenchBroker, case_id: str) -> dict[str, Any]:
     result: dict[str, Any] = {
+        "patch": spec.patch,
         "broker": spec.broker,
         "db": spec.db,
         "impl": spec.impl,
@@ -980,7 +986,8 @@ def run_case(spec: CaseSpec, broker: BenchBroker, case_id: str) -> dict[str, Any
         env = BenchAirflowEnv(
             work / "dags",
             connections=stream.connections(spec.impl),
-            env=stream.env(),
+            env={**stream.env(), **({"AIRFLOW_BENCH_ONE_SESSION_PER_SYNC": "1"} if spec.patch else {})},
+            python_path=(work / "dags", PATCHES) if spec.patch else None,
             triggerer={
                 "max_trigger_to_select_per_loop": max(50, spec.n + 10),
                 "shared_stream_cohort_grace_period": 5.0,
@@ -1263,6 +1270,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ack-timeout", type=float, default=3600.0, help="[triggerer] shared_stream_ack_timeout")
     parser.add_argument("--pg-fast", action="store_true", help="PostgreSQL with fsync/synchronous_commit off")
     parser.add_argument("--scheduler", action="store_true", help="also run the scheduler (and the api-server)")
+    parser.add_argument(
+        "--patch",
+        choices=["one-session"],
+        default=None,
+        help="run the triggerer with a local Airflow patch (bench/patches/sitecustomize.py): one DB session "
+        "per sync instead of one per event (docs/upstream-proposals.md); never shipped",
+    )
     parser.add_argument("--sample-interval", type=float, default=0.5, help="triggerer RSS sampling (default 0.5 s)")
     parser.add_argument("--keep-home", action="store_true", help="keep each case's AIRFLOW_HOME (logs) for debugging")
     parser.add_argument(
@@ -1390,6 +1404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 sample_interval=args.sample_interval,
                                 keep_home=args.keep_home,
                                 extra_kwargs=tuple(sorted(args.trigger_kwargs.items())),
+                                patch=args.patch,
                             )
                         )
     if "batch" in args.modes:
