@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import httpx
 
 from devkit.ports import free_port
+from devkit.processes import stop_process_group
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -158,16 +159,7 @@ class AirflowComponent:
         proc = self.process
         if proc is None:
             return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=timeout)
-        # Children (task runners, trigger runner, uvicorn workers) may outlive the leader.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+        stop_process_group(proc, timeout)
 
     def log_text(self) -> str:
         if not self.log_path.exists():

@@ -38,7 +38,6 @@ import atexit
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Final
 import httpx
 
 from devkit.ports import free_port
+from devkit.processes import stop_process_group
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -104,16 +104,7 @@ class SparkProcess:
         proc = self.process
         if proc is None:
             return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=timeout)
-        # The group outlives its leader while an executor JVM is still in it.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+        stop_process_group(proc, timeout)
 
     def log_tail(self, lines: int = 30) -> str:
         if not self.log_path.exists():
