@@ -99,6 +99,26 @@ def get_provider_info() -> dict[str, Any]:
                         "example": None,
                         "default": "True",
                     },
+                    "position_interval": {
+                        "description": "Seconds between writes of each Kafka watcher's position to its asset state "
+                        "store\n"
+                        '(``position_store="watchers"``). A crash replays at most this much per watcher (duplicates,\n'
+                        "never loss); each write is one state-store call per watcher.\n",
+                        "version_added": "0.1.0",
+                        "type": "float",
+                        "example": None,
+                        "default": "5.0",
+                    },
+                    "heartbeat_interval": {
+                        "description": "Seconds between a stream's heartbeats in its watchers' asset state stores, "
+                        "read to detect\n"
+                        "a stream split across triggerers (an ERROR for queues, whose consumers compete). 0 turns\n"
+                        "the detection off.\n",
+                        "version_added": "0.1.0",
+                        "type": "float",
+                        "example": None,
+                        "default": "30.0",
+                    },
                 },
             },
         },

@@ -58,7 +58,7 @@ from devkit.ports import free_port
 from devkit.processes import stop_process_group
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator, Mapping
+    from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
     from types import TracebackType
 
 T = TypeVar("T")
@@ -358,6 +358,29 @@ class AirflowEnv:
             log_path=self.airflow_home / "process-logs" / f"{name}.log",
         )
 
+    def add_triggerer(
+        self, name: str, triggerer: Mapping[str, object] | None = None, *, args: Sequence[str] = ()
+    ) -> AirflowComponent:
+        """
+        Start one more ``airflow triggerer`` on the same metadata DB (an HA deployment), with its
+        own ``[triggerer]`` options on top of the environment's (e.g. another ``capacity``) and
+        extra command-line ``args`` (e.g. ``["--queues", "q"]``).
+        """
+        if name in self.components:
+            raise AirflowEnvError(f"a component named {name!r} exists already")
+        env = dict(self._process_env)
+        for option, value in (triggerer or {}).items():
+            env[_config_env("triggerer", option)] = _config_value(value)
+        component = AirflowComponent(
+            name=name,
+            argv=[venv_bin("airflow"), "triggerer", "--skip-serve-logs", *args],
+            env=env,
+            log_path=self.airflow_home / "process-logs" / f"{name}.log",
+        )
+        self.components[name] = component
+        component.start()
+        return component
+
     def migrate(self, timeout: float = 600.0) -> None:
         log_path = self.airflow_home / "process-logs" / "db-migrate.log"
         with log_path.open("wb") as log:
@@ -384,8 +407,9 @@ class AirflowEnv:
         if self._client is not None:
             self._client.close()
             self._client = None
-        # Scheduler first (no new task starts), triggerer last but one, api-server last.
-        for name in ("scheduler", "dag-processor", "triggerer", "api-server"):
+        # Scheduler first (no new task starts), triggerers last but one, api-server last.
+        extra = [name for name in self.components if name not in COMPONENTS]
+        for name in ("scheduler", "dag-processor", *extra, "triggerer", "api-server"):
             component = self.components.get(name)
             if component is not None:
                 component.stop()

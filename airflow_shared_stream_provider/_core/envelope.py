@@ -62,11 +62,11 @@ class StreamMessage:
     purpose, and ``None`` until the first entry: almost every message has neither, and two lists
     per message would be two more objects for the cyclic GC to walk while the message is in flight.
 
-    Only the producer writes ``envelope``, ``seq`` and ``forced_rejection`` (before the yield);
+    Only the producer writes ``envelope``, ``seq``, ``forced_rejection`` and ``skip_for`` (before the yield);
     watchers only call :meth:`reject` / :meth:`fail`.
     """
 
-    __slots__ = ("envelope", "failures", "forced_rejection", "rejections", "seq")
+    __slots__ = ("culprit", "envelope", "failures", "forced_rejection", "rejections", "seq", "skip_for")
 
     def __init__(self, envelope: dict[str, Any], seq: int, forced_rejection: str | None = None) -> None:
         self.envelope = envelope
@@ -74,16 +74,23 @@ class StreamMessage:
         self.forced_rejection = forced_rejection
         self.rejections: list[str] | None = None
         self.failures: list[str] | None = None
+        # Watcher positions (_core/positions.py): member numbers of the watchers that already have
+        # this message (a lane rewound for a late watcher re-reads it); they pass it unseen.
+        self.skip_for: frozenset[int] | None = None
+        # A watcher failed *on* this message (not merely alongside it, in its batch).
+        self.culprit = False
 
     def reject(self, reason: str) -> None:
         if self.rejections is None:
             self.rejections = []
         self.rejections.append(reason)
 
-    def fail(self, error: str) -> None:
+    def fail(self, error: str, *, culprit: bool = True) -> None:
+        """A watcher stopped; ``culprit``: on this very message (False: a batch-mate it never judged)."""
         if self.failures is None:
             self.failures = []
         self.failures.append(error)
+        self.culprit = self.culprit or culprit
 
     def __repr__(self) -> str:
         return f"StreamMessage(seq={self.seq}, message_id={self.envelope.get('message_id')!r})"

@@ -27,6 +27,18 @@ class SharedStreamConfigError(ValueError):
     """
 
 
+class BrokerUnavailableError(RuntimeError):
+    """
+    The broker could not be reached, or kept failing, for longer than the producer retries a call:
+    a transient failure of the broker or the network, not a configuration mistake.
+
+    Fails the group (every watcher sees it, through the manager's terminal path); the triggerer
+    re-creates the failed triggers, and the stream resumes once the broker answers again. Nothing
+    unsettled is lost: the broker redelivers it. The message names the endpoint and the connection,
+    so a wrong endpoint that never answers is still recognisable.
+    """
+
+
 class PartialAssignmentError(RuntimeError):
     """
     The broker gave this stream only part of what it must read (for example some of a topic's

@@ -38,6 +38,7 @@ from collections.abc import Hashable
 from typing import Final
 
 from airflow_shared_stream_provider._core.cohort import Cohort
+from airflow_shared_stream_provider._core.positions import WatcherPositions
 
 # Queued (not yet pulled) messages x watchers the gate allows; see the module docstring.
 BINDING_BUDGET: Final = 2_048
@@ -76,6 +77,8 @@ class FlowGate:
         self.fired = 0
         # Which watchers the producer waits for before its first receive (see _core/cohort.py).
         self.cohort = Cohort()
+        # Each watcher's stored position, for brokers that keep them (see _core/positions.py).
+        self.positions = WatcherPositions()
 
     # -- producer side -------------------------------------------------------------------------
     @property

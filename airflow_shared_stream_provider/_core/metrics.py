@@ -37,6 +37,7 @@ class StreamCounters:
     api_calls: int = 0
     stale_skipped: int = 0
     batches: int = 0  # batch mode: raw events broadcast, each carrying up to batch_size messages
+    rewinds: int = 0  # watcher positions: lanes re-read for a watcher that joined behind them
     _tags: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -21,13 +21,15 @@ from typing import Any, ClassVar, Generic, TypeVar
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
 from airflow_shared_stream_provider._core.batching import BATCH_OVERHEAD, Batcher, MessageBatch, batched_stream
-from airflow_shared_stream_provider._core.cohort import cohort_limits, record_key
+from airflow_shared_stream_provider._core.cohort import cohort_limits, cohort_record_enabled, record_key
 from airflow_shared_stream_provider._core.dispositions import COMMIT_DECISION, Decision, Disposition, decide
 from airflow_shared_stream_provider._core.envelope import BrokerName, DeliveryLike, StreamMessage, build_envelope
 from airflow_shared_stream_provider._core.flow import FlowGate, gates
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 from airflow_shared_stream_provider._core.release import ENTRIES_PER_MESSAGE, DeferredRelease
 from airflow_shared_stream_provider._core.settings import StreamSettings
+from airflow_shared_stream_provider._core.split import SplitWatch, heartbeat_interval
+from airflow_shared_stream_provider._core.tasks import cancel_and_wait
 
 DEFAULT_QUEUE_SIZE = 1024
 DEFAULT_ACK_TIMEOUT = 300.0
@@ -156,6 +158,9 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         self.max_envelope_bytes = settings.max_payload_bytes - (BATCH_OVERHEAD if self.batching else 0)
         self._unbatched = 0
         self._batches_in_flight = 0
+        # Split detection (see _core/split.py), started once the cohort formed.
+        self.split_watch: SplitWatch | None = None
+        self._split_task: asyncio.Future[None] | None = None
 
     # -- for subclasses ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -221,6 +226,25 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         settle, max_wait = cohort_limits()
         await cohort.wait_ready(settle=settle, max_wait=max_wait, stream=self.source_label())
         cohort.schedule_write(record_key(self.stream_key))
+        interval = heartbeat_interval()
+        if interval > 0 and cohort_record_enabled() and self._split_task is None:
+            self.split_watch = SplitWatch(
+                cohort,
+                stream_key=self.stream_key,
+                stream=self.source_label(),
+                competing=self.competing_consumers(),
+                interval=interval,
+                on_split=lambda count: self.counters.gauge("split_triggerers", count),
+            )
+            self._split_task = asyncio.ensure_future(self.split_watch.run())
+
+    def competing_consumers(self) -> bool:
+        """
+        Whether two streams of this stream's key on two triggerers take messages from each other
+        (queues, one subscription): then a split across triggerers loses messages for watchers
+        (see _core/split.py). Kafka with watcher positions overrides this.
+        """
+        return True
 
     def credit(self) -> int:
         """How many messages may be received now (the gate's credit; in batch mode, batches of them)."""
@@ -405,6 +429,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             return
         self._closed = True
         self.deferred.release_all()
+        await cancel_and_wait(self._split_task)
         try:
             await self._close()
         finally:

@@ -70,6 +70,13 @@ class StreamSettings:
         self.require_number("batch_size", self.batch_size, minimum=1, maximum=MAX_BATCH_SIZE)
         self.require_number("batch_timeout", self.batch_timeout, minimum=0, maximum=60)
 
+    def position_scope(self) -> Hashable | None:
+        """
+        What a watcher's stored position is relative to (see _core/positions.py), or None when this
+        stream keeps no watcher positions (queues: the broker tracks each message itself).
+        """
+        return None
+
     def key(self) -> tuple[Hashable, ...]:
         """Every field, in declaration order, as a hashable tuple of ``(name, value)``."""
         return tuple((f.name, _freeze(getattr(self, f.name))) for f in dataclasses.fields(self))

@@ -48,6 +48,7 @@ from airflow_shared_stream_provider._core.filtering import (
     validate_match,
 )
 from airflow_shared_stream_provider._core.flow import gates
+from airflow_shared_stream_provider._core.positions import position_key
 from airflow_shared_stream_provider._core.settings import StreamSettings
 
 if TYPE_CHECKING:
@@ -193,10 +194,12 @@ class SharedStreamTrigger(BaseEventTrigger):
         gate = gates.acquire(key)
         token = id(self)
         gate.register(token)
-        stores = stores_of(self.asset_state_store) if cohort_record_enabled() else []
-        gate.cohort.join(
-            token, identity_of([name for name, _ in stores], self._watcher_spec()), stores, record_key(key)
-        )
+        stores = stores_of(self.asset_state_store)
+        identity = identity_of([name for name, _ in stores], self._watcher_spec())
+        gate.cohort.join(token, identity, stores if cohort_record_enabled() else [], record_key(key))
+        scope = self.settings.position_scope()
+        # -1: no position kept, never in a message's skip_for.
+        member = gate.positions.join(identity, position_key(scope, identity), stores) if scope is not None else -1
         try:
             raw_events = shared_stream if self.flush_after is None else self._with_flush_markers(shared_stream)
             notes_fired = self.flush_after is not None
@@ -204,6 +207,8 @@ class SharedStreamTrigger(BaseEventTrigger):
                 if isinstance(raw, StreamMessage):
                     # The per-message path, inline: it runs once per message per watcher.
                     gate.consumed(token, raw.seq)
+                    if raw.skip_for is not None and member in raw.skip_for:
+                        continue  # replayed for a late sibling; this watcher had it already
                     if raw.forced_rejection is not None:
                         self._reject(raw, raw.forced_rejection)
                         continue
@@ -222,7 +227,7 @@ class SharedStreamTrigger(BaseEventTrigger):
                         yield self._note_fired(event) if notes_fired else event
                 elif isinstance(raw, MessageBatch):
                     gate.consumed(token, raw.seq)
-                    batch_event = self._filter_batch(raw)
+                    batch_event = self._filter_batch(raw, member)
                     if batch_event is not None:
                         gate.fired += 1
                         yield self._note_fired(batch_event) if notes_fired else batch_event
@@ -231,6 +236,8 @@ class SharedStreamTrigger(BaseEventTrigger):
                 else:
                     raise TypeError(f"{type(self).__name__} expects StreamMessage raw events, got {type(raw)!r}")
         finally:
+            if member != -1:
+                gate.positions.leave(member)
             gate.cohort.leave(token)
             gate.unregister(token)
             gates.release(key, gate)
@@ -246,15 +253,17 @@ class SharedStreamTrigger(BaseEventTrigger):
             "flush_after": self.flush_after,
         }
 
-    def _filter_batch(self, batch: MessageBatch) -> TriggerEvent | None:
+    def _filter_batch(self, batch: MessageBatch, member: int) -> TriggerEvent | None:
         """
         A batch: each message decided on its own and the decision recorded on it; no call to
         ``reject_shared_stream_event`` (it would reject the whole batch): the producer reads the
-        rejections off each message.
+        rejections off each message. ``member``: this watcher's position member number (-1: none).
         """
         accepted: list[dict[str, Any]] = []
         messages = batch.messages
         for index, message in enumerate(messages):
+            if message.skip_for is not None and member in message.skip_for:
+                continue
             if message.forced_rejection is not None:
                 message.reject(message.forced_rejection)
                 continue
@@ -269,7 +278,10 @@ class SharedStreamTrigger(BaseEventTrigger):
                     # never yielded, and it never sees the ones after. All must come back.
                     error = _describe_filter_error(exc)
                     for other in messages[:index] + messages[index + 1 :]:
-                        other.fail(f"watcher stopped on {message.envelope.get('message_id')!r} in the same batch")
+                        other.fail(
+                            f"watcher stopped on {message.envelope.get('message_id')!r} in the same batch",
+                            culprit=False,
+                        )
                     message.fail(error)
                     raise
                 if self._on_filter_exception(message, exc):

@@ -16,7 +16,10 @@ rejected            produced to ``dlq_topic`` (original key, value, headers + ``
                     stays in the source topic until retention (Kafka never deletes on commit).
 failed (REDELIVER)  not done: the lane holds at this offset and the consumer seeks back to it, so it
                     is delivered again in this session (only the held offsets are re-yielded; the
-                    ones still in flight or done are skipped, not duplicated).
+                    ones still in flight or done are skipped, not duplicated). With watcher
+                    positions it counts as an attempt only if a watcher failed *on* it or it is
+                    the lowest failed offset of its partition (a watcher that left fails what it
+                    had queued behind too; it replays those from its position).
 poison              a failed message whose in-session attempt count reached
                     ``max_delivery_attempts`` is dead-lettered as above instead.
 zero-subscriber     like failed, but re-read after ``hold_backoff`` seconds and without counting an
@@ -25,14 +28,24 @@ revoked partition   outcomes arriving for a partition this member no longer owns
                     committed by a consumer that lost the partition; the new owner re-reads them.
 advance raises      (DLQ write or commit failed) the manager terminates the group; nothing past the
                     last commit was committed, so the next group re-reads from there.
-crash / restart     nothing uncommitted is lost: the group resumes from the last committed offset
-                    and re-delivers everything after it (watchers must be idempotent:
+crash / restart     nothing unpersisted is lost: each partition resumes at the lowest stored position
+                    of the stream's watchers (``position_store="group"``: the committed offset) and
+                    each watcher re-receives what follows its own position (idempotent watchers:
                     dedup on ``message_id``).
+late watcher        (``position_store="watchers"``) a watcher whose stored position is behind the
+                    running stream: the partition is rewound to it under a new epoch (outcomes of
+                    the old epoch still in flight are dropped, never committed, and read again);
+                    the watchers that had those messages skip them (``skip_for``). Commits never
+                    go backwards.
 ==================  ===============================================================================
 
+Assignment: with ``position_store="watchers"`` (default) the consumer assigns itself every partition
+(no group membership: siblings on several triggerers each read everything, see _core/positions.py);
+with ``"group"`` the group assigns partitions and a partial assignment is detected below.
+
 Flow control: when watchers have no credit left, every assigned partition is paused and the
-consumer keeps polling (empty fetches), so it stays in the group while ``max.poll.interval.ms`` runs
-and resumes as soon as credit returns.
+consumer keeps polling (empty fetches), so a group member stays in the group while
+``max.poll.interval.ms`` runs, and resumes as soon as credit returns.
 
 Consumer group: the trigger's ``group_id``, else the connection's ``group.id``, else
 ``airflow-shared-stream.<conn>.<topics>``; resolved when the stream opens, because the connection
@@ -65,6 +78,7 @@ from airflow_shared_stream_provider._core.errors import (
     SharedStreamConfigError,
     missing_dependency,
 )
+from airflow_shared_stream_provider._core.positions import PositionMember, position_interval
 from airflow_shared_stream_provider._core.producer import Decided, SharedStreamProducerBase
 from airflow_shared_stream_provider.producers.kafka_config import (
     KafkaClientConfig,
@@ -89,6 +103,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise missing_dependency("kafka", "aiokafka", exc) from exc
 
 _epochs = itertools.count(1)
+# Watcher positions: how long the stream waits at start for the watchers' stored positions, how long
+# a rewind waits for in-flight messages to settle, and how long a graceful stop tries to store them.
+POSITION_LOOKUP_TIMEOUT = 10.0
+REWIND_DRAIN_TIMEOUT = 15.0
+POSITION_FLUSH_TIMEOUT = 3.0
 _log = logging.getLogger(__name__)
 
 
@@ -160,9 +179,16 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         self._last_partial_warning = 0.0
         self._paused = False
         self._timers: set[asyncio.TimerHandle] = set()
+        self._watcher_positions = settings.position_store == "watchers"
+        self._committed: dict[TopicPartition, int] = {}
 
     def source_label(self) -> str:
         return ",".join(self.settings.topics)
+
+    def competing_consumers(self) -> bool:
+        # With watcher positions every stream reads every partition: a split loses nothing.
+        # Group mode has its own, sharper check (the partial assignment).
+        return False
 
     @property
     def group_id(self) -> str:
@@ -204,9 +230,13 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             settings=self.settings,
             bootstrap=bootstrap_addresses(config.consumer["bootstrap_servers"]),
         )
-        # Recorded before claiming: _close releases it even when the claim lost (a no-op then).
-        self._group_claim = claim
-        await group_claims.claim(claim)
+        if not self._watcher_positions:
+            # Group mode only: there the group splits partitions between its members. With watcher
+            # positions each stream assigns itself every partition, and streams sharing a group
+            # only share where the committed offsets (lag, and the start without positions) go.
+            # Recorded before claiming: _close releases it even when the claim lost (a no-op then).
+            self._group_claim = claim
+            await group_claims.claim(claim)
         self.log.info(
             "Opening Kafka shared stream %s for group %s (%s): %s",
             self.source_label(),
@@ -226,7 +256,8 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             # partial-assignment check), so which assignor wins changes nothing.
             partition_assignment_strategy=(RoundRobinPartitionAssignor, RangePartitionAssignor),
         )
-        consumer.subscribe(topics=list(self.settings.topics), listener=_Rebalance(self))
+        if not self._watcher_positions:
+            consumer.subscribe(topics=list(self.settings.topics), listener=_Rebalance(self))
         try:
             await consumer.start()
         except KafkaConnectionError as exc:
@@ -236,7 +267,34 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 f"(connection {self.settings.kafka_config_id!r}): {exc}"
             ) from exc
         self._consumer = consumer
+        if self._watcher_positions:
+            # Every partition, assigned by this stream itself: no group membership, so no split
+            # between triggerers and no rebalance (the group only stores committed offsets).
+            partitions = await self._all_partitions(consumer)
+            consumer.assign(partitions)
+            for tp in partitions:
+                self._lanes[tp] = Lane(epoch=next(_epochs))
         return consumer
+
+    async def _all_partitions(self, consumer: AIOKafkaConsumer) -> list[TopicPartition]:
+        """Every partition of every topic; waits ``partial_assignment_grace`` for a topic to appear."""
+        deadline = time.monotonic() + self.settings.partial_assignment_grace
+        while True:
+            await consumer.topics()  # a metadata refresh for all topics
+            missing = [topic for topic in self.settings.topics if not consumer.partitions_for_topic(topic)]
+            if not missing:
+                break
+            if time.monotonic() >= deadline:
+                raise SharedStreamConfigError(
+                    f"Kafka shared stream {self.source_label()}: topic(s) {missing} do not exist "
+                    f"(waited {self.settings.partial_assignment_grace:.0f}s)"
+                )
+            await asyncio.sleep(min(1.0, self.settings.poll_timeout))
+        return [
+            TopicPartition(topic, partition)
+            for topic in self.settings.topics
+            for partition in sorted(consumer.partitions_for_topic(topic))
+        ]
 
     # -- rebalances ----------------------------------------------------------------------------
     def _on_revoked(self, revoked: set[TopicPartition]) -> None:
@@ -306,19 +364,188 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             self._last_partial_warning = now
             self.log.error(message)
 
+    # -- watcher positions (position_store="watchers", see _core/positions.py) -----------------
+    @staticmethod
+    def _label(tp: TopicPartition) -> str:
+        return f"{tp.topic}/{tp.partition}"
+
+    async def _place_at_start(self, consumer: AIOKafkaConsumer) -> None:
+        """
+        Start every lane at the lowest stored position of the watchers present (the committed
+        offset for a watcher without one), and give each watcher its threshold: it skips what is
+        below its own position (it fired those already).
+        """
+        positions = self.gate.positions
+        await positions.wait_lookups(timeout=POSITION_LOOKUP_TIMEOUT)
+        members = positions.take_placeable(everyone=True)
+        tps = list(self._lanes)
+        committed_map = await consumer._coordinator.fetch_committed_offsets(tps)
+        ends = await consumer.end_offsets(tps)
+        committed: dict[TopicPartition, int | None] = {}
+        for tp in tps:
+            entry = committed_map.get(tp)
+            committed[tp] = entry.offset if entry is not None and entry.offset >= 0 else None
+            stored = self._usable_positions(tp, members, end=ends.get(tp))
+            if not stored:
+                continue  # nobody has a position here: the committed offset (or auto.offset.reset)
+            start = min(stored.values())
+            fallback = committed[tp]
+            if fallback is not None and len(stored) < len(members):
+                start = min(start, fallback)  # a watcher without a position starts there
+            consumer.seek(tp, start)
+        for tp in tps:
+            offset = await consumer.position(tp)  # resolves committed offset / auto.offset.reset
+            stored = self._usable_positions(tp, members, end=ends.get(tp))
+            default = committed[tp] if committed[tp] is not None else offset
+            lane = Lane.placed(
+                next(_epochs),
+                offset,
+                attempts={},
+                thresholds={m.number: max(offset, stored.get(m.number, default)) for m in members},
+            )
+            entry = committed_map.get(tp)
+            if entry is not None:
+                lane.restore_attempts(entry.metadata)  # attempt counts of held messages (kafka_lanes)
+            self._lanes[tp] = lane
+        for member in members:
+            member.placed = True
+        positions.positions_of = self._positions_of
+        self.log.info(
+            "Kafka shared stream %s placed %d watcher(s): %s",
+            self.source_label(),
+            len(members),
+            {self._label(tp): (lane.next_read(), lane.floor) for tp, lane in self._lanes.items()},
+        )
+
+    async def _place_late(self, consumer: AIOKafkaConsumer) -> None:
+        """
+        Watchers that joined the running stream (a triggerer that died handed them over, a Dag was
+        added, the cohort wait timed out). One whose stored position is behind a lane makes that
+        lane rewind to it: the lane is re-read from there, and every other watcher skips what it
+        had already (its threshold is where the lane was). One without a position starts now.
+        """
+        positions = self.gate.positions
+        members = positions.take_placeable()
+        if not members:
+            return
+        ends = await consumer.end_offsets(list(self._lanes))
+        behind: dict[TopicPartition, dict[int, int]] = {}
+        for tp, lane in self._lanes.items():
+            next_read = lane.next_read()
+            stored = self._usable_positions(tp, members, end=ends.get(tp))
+            thresholds = {n: first for n, first in lane.thresholds.items() if n in positions.members}
+            for member in members:
+                first = stored.get(member.number)
+                if first is None or first >= next_read:
+                    thresholds[member.number] = next_read if first is None else first
+                else:
+                    behind.setdefault(tp, {})[member.number] = first
+            lane.set_thresholds(thresholds)
+        if behind:
+            await self._drain(REWIND_DRAIN_TIMEOUT)
+            for tp, late in behind.items():
+                self._rewind(consumer, tp, late)
+        for member in members:
+            member.placed = True
+        self.log.info(
+            "Kafka shared stream %s placed %d late watcher(s); rewound %s",
+            self.source_label(),
+            len(members),
+            {self._label(tp): min(late.values()) for tp, late in behind.items()} or "nothing",
+        )
+
+    def _rewind(self, consumer: AIOKafkaConsumer, tp: TopicPartition, late: dict[int, int]) -> None:
+        """
+        Re-read ``tp`` from the lowest position in ``late`` under a new epoch. Outcomes of the old
+        epoch still in flight are dropped when they arrive (never committed); the offsets they
+        cover are at or above ``lane.position()``, so they are read again, and the watchers that
+        were here get them again too (their threshold is ``lane.position()``, not the read end).
+        """
+        lane = self._lanes[tp]
+        resume = lane.position()
+        if resume is None:
+            resume = lane.next_read()
+        positions = self.gate.positions
+        thresholds = {n: max(first, resume) for n, first in lane.thresholds.items() if n in positions.members}
+        thresholds.update(late)
+        start = min(thresholds.values())
+        rewound = Lane.placed(next(_epochs), start, attempts=dict(lane.attempts), thresholds=thresholds)
+        rewound.dead = set(lane.dead)
+        self._lanes[tp] = rewound
+        consumer.seek(tp, start)
+        self.counters.add("rewinds")
+
+    async def _drain(self, timeout: float) -> None:
+        """Wait (bounded) until nothing is in flight: a rewind then re-delivers nothing twice."""
+        deadline = time.monotonic() + timeout
+        # Polled: a rare path (a late watcher), bounded, and advance() signals no "all settled".
+        while self._in_flight > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+    def _usable_positions(
+        self, tp: TopicPartition, members: Sequence[PositionMember], *, end: int | None
+    ) -> dict[int, int]:
+        """``member number -> stored position`` on ``tp``, without positions past the log end."""
+        label = self._label(tp)
+        usable: dict[int, int] = {}
+        for member in members:
+            first = member.stored.get(label) if member.stored else None
+            if first is None:
+                continue
+            if end is not None and first > end:
+                # The topic was re-created (or truncated): the position means nothing any more.
+                self.log.warning(
+                    "Ignoring position %d of watcher %s on %s: past the log end %d", first, member.identity, label, end
+                )
+                continue
+            usable[member.number] = first
+        return usable
+
+    def _positions_of(self, member: PositionMember) -> dict[str, int] | None:
+        """
+        What to store for ``member``: per lane, ``lane.position()`` once the member's threshold is
+        at or below it (it received everything in between), else what it had (see the invariant in
+        _core/positions.py).
+        """
+        out: dict[str, int] = {}
+        for tp, lane in self._lanes.items():
+            label = self._label(tp)
+            first = lane.thresholds.get(member.number)
+            position = lane.position()
+            if first is not None and position is not None and first <= position:
+                out[label] = position
+                continue
+            kept = member.written.get(label)
+            if kept is None and member.stored:
+                kept = member.stored.get(label)
+            if kept is not None:
+                out[label] = kept
+        return out or None
+
     # -- the stream ----------------------------------------------------------------------------
     async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
         consumer = await self._start_consumer()
         await self.cohort_ready()
+        positions = self.gate.positions
+        keep_positions = self._watcher_positions
+        write_interval = position_interval()
+        if keep_positions:
+            await self._place_at_start(consumer)
         poll_ms = int(self.settings.poll_timeout * 1000)
         group_id = self.group_id
         max_payload_bytes = self.max_envelope_bytes
         oversize_policy = self.settings.oversize_policy
         while True:
+            if keep_positions:
+                if positions.unplaced:
+                    await self._place_late(consumer)
+                if positions.write_due(write_interval):
+                    positions.schedule_write(self._positions_of)
             credit = await self._credit_or_keepalive(consumer)
             if credit == 0:
                 continue
-            self._enforce_full_assignment()
+            if not keep_positions:
+                self._enforce_full_assignment()
             fetched = await consumer.getmany(timeout_ms=poll_ms, max_records=min(credit, self.settings.max_batch_size))
             if not fetched:
                 self.deferred.release_all()  # quiet stream: hold nothing (see _core/release.py)
@@ -331,6 +558,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 partition = tp.partition
                 id_prefix = f"{topic}/{partition}/"
                 epoch = lane.epoch
+                floor = lane.floor
                 # Popped, not iterated: each ConsumerRecord is released as soon as its message is
                 # built, instead of the whole batch living until its last message was yielded.
                 # Fewer objects outlive a young-generation GC pass, so fewer full passes.
@@ -338,9 +566,19 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 while records:
                     record = records.pop()
                     offset = record.offset
+                    # A re-read of a held offset (a redelivery) goes to every watcher, as in group
+                    # mode; only what a rewind re-reads for a late watcher is skipped by the others.
+                    first_read = offset > lane.high_yielded
                     attempt = lane.admit(offset)
                     if not attempt:
                         continue  # in flight or done: a replay after seek-back, not a new message
+                    if lane.dead and offset in lane.dead:
+                        # Re-read by a rewind, but already in the DLQ: done without a delivery. The
+                        # done prefix is dropped now, so positions pass it even if nothing follows
+                        # (the group commit catches up with the next advance).
+                        lane.settle(offset)
+                        lane.commit_point()
+                        continue
                     received += 1
                     headers = tuple(record.headers)  # already a tuple: no copy
                     key = record.key
@@ -376,6 +614,8 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                         value=record.value,
                         headers=headers,
                     )
+                    if offset < floor and first_read:
+                        message.skip_for = lane.skip_for(offset)
                     yield message, message
             self.counters.add("received", received)
 
@@ -424,13 +664,27 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         replay_now = replay_later = False
         for entry in decided:
             delivery = entry.delivery
-            if entry.disposition in (Disposition.COMMIT, Disposition.DEAD_LETTER):
+            if entry.disposition is Disposition.COMMIT:
                 lane.settle(delivery.offset)
+            elif entry.disposition is Disposition.DEAD_LETTER:
+                lane.settle(delivery.offset)
+                lane.dead_lettered(delivery.offset)
             elif entry.disposition is Disposition.HOLD:
                 lane.hold(delivery.offset, attempts=delivery.delivery_attempt - 1)  # nobody saw it
                 replay_later = True
             else:
-                lane.hold(delivery.offset, attempts=delivery.delivery_attempt)
+                # With watcher positions a failure counts toward the poison cap when a watcher failed
+                # *on* this message, or when it is the lowest failed offset of its lane (an ack
+                # timeout marks no culprit: the head is the suspect). A watcher that fails leaves,
+                # the messages still queued behind it come back as failed too, and it replays them
+                # from its position when it returns: counting those would dead-letter innocent
+                # messages after a few comebacks.
+                counted = (
+                    not self._watcher_positions
+                    or delivery.message.culprit
+                    or not any(held < delivery.offset for held in lane.redeliver)
+                )
+                lane.hold(delivery.offset, attempts=delivery.delivery_attempt - (0 if counted else 1))
                 replay_now = True
         await self._commit(consumer, tp, lane, attempts_changed=replay_now or replay_later)
         if replay_now:
@@ -451,6 +705,9 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             target = lane.position()
             if target is None:
                 return
+        if target < self._committed.get(tp, -1):
+            return  # a rewound lane re-reads below its last commit: the group offset never goes back
+        self._committed[tp] = target
         self.counters.api_calls += 1
         try:
             await consumer.commit({tp: OffsetAndMetadata(target, lane.commit_metadata())})
@@ -514,6 +771,12 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         return self._dlq
 
     async def _close(self) -> None:
+        gate = self._gate
+        if self._watcher_positions and gate is not None and self._lanes:
+            # A graceful stop: store how far the watchers got (a crash skips this; positions then
+            # lag by up to position_interval, which costs duplicates, never loss).
+            await gate.positions.flush(self._positions_of, timeout=POSITION_FLUSH_TIMEOUT)
+            gate.positions.positions_of = None
         try:
             await self._close_clients()
         finally:

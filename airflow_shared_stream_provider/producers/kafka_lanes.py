@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 # Kafka's default offset.metadata.max.bytes is 4096: keep the attempt map well below it.
 MAX_TRACKED_ATTEMPTS = 64
+# Attempt counts one lane keeps in memory (only offsets that failed have one).
+MAX_KEPT_ATTEMPTS = 10_000
 
 
 @dataclass(slots=True)
@@ -33,6 +35,44 @@ class Lane:
     redeliver: set[int] = field(default_factory=set)
     high_yielded: int = -1
     attempts: dict[int, int] = field(default_factory=dict)
+    # Watcher positions (position_store="watchers", see _core/positions.py): the first offset each
+    # placed watcher (member number) must receive, and their maximum. Offsets at or above ``floor``
+    # go to every watcher; below it, :meth:`skip_for` names the watchers that already have them.
+    thresholds: dict[int, int] = field(default_factory=dict)
+    floor: int = -1
+    # Where the consumer was placed (seek or committed offset) when the lane was last reset: the
+    # lane's position before anything is read (None: group mode, nothing read yet).
+    placed_at: int | None = None
+    # Watcher positions: attempt counts outlive the settle of their offset. A watcher that failed
+    # on it and left comes back behind its siblings and the lane is rewound for it; its count
+    # must go on (the poison cap), not restart at 1 on every comeback.
+    keep_attempts: bool = False
+    # Watcher positions: offsets dead-lettered in this session. A rewind for a late watcher does not
+    # deliver them again (they are in the DLQ): a watcher that failed on a poison message and comes
+    # back behind it would otherwise fail on it again on every comeback.
+    dead: set[int] = field(default_factory=set)
+
+    @classmethod
+    def placed(cls, epoch: int, offset: int, *, attempts: dict[int, int], thresholds: dict[int, int]) -> Lane:
+        """A lane whose consumer reads from ``offset`` on (a start or a rewind)."""
+        lane = cls(epoch=epoch, high_yielded=offset - 1, attempts=attempts, placed_at=offset, keep_attempts=True)
+        lane.set_thresholds(thresholds)
+        return lane
+
+    def set_thresholds(self, thresholds: dict[int, int]) -> None:
+        self.thresholds = thresholds
+        self.floor = max(thresholds.values(), default=-1)
+
+    def skip_for(self, offset: int) -> frozenset[int] | None:
+        """The watchers that must skip ``offset`` (they had it already); None: nobody (the hot path)."""
+        if offset >= self.floor:
+            return None
+        skipping = frozenset(member for member, first in self.thresholds.items() if first > offset)
+        return skipping or None
+
+    def next_read(self) -> int:
+        """The offset the next new record has (everything below was read in this lane's life)."""
+        return self.high_yielded + 1
 
     def attempt_of(self, offset: int) -> int:
         """The delivery attempt a read of ``offset`` now is (1 on the first read)."""
@@ -59,19 +99,29 @@ class Lane:
     def settle(self, offset: int) -> None:
         """The offset is terminally handled (committed or dead-lettered)."""
         self.done.add(offset)
-        if self.attempts:
+        if self.attempts and not self.keep_attempts:
             self.attempts.pop(offset, None)
 
     def hold(self, offset: int, *, attempts: int) -> None:
         """The offset must be read again (failed or nobody subscribed); ``attempts`` so far."""
         self.redeliver.add(offset)
         self.attempts[offset] = attempts
+        if len(self.attempts) > MAX_KEPT_ATTEMPTS:  # kept past settling (keep_attempts): oldest go first
+            del self.attempts[min(self.attempts)]
 
     def position(self) -> int | None:
         """Where a restarted consumer must resume: the first read offset not yet done."""
         if self.yielded:
             return self.yielded[0]
-        return self.high_yielded + 1 if self.high_yielded >= 0 else None
+        return self.high_yielded + 1 if self.high_yielded >= 0 or self.placed_at is not None else None
+
+    def dead_lettered(self, offset: int) -> None:
+        """Remember a dead-lettered offset (watcher positions only; bounded like the attempt counts)."""
+        if not self.keep_attempts:
+            return
+        self.dead.add(offset)
+        if len(self.dead) > MAX_KEPT_ATTEMPTS:
+            self.dead.discard(min(self.dead))
 
     def commit_metadata(self) -> str:
         tracked = sorted(self.attempts.items())[:MAX_TRACKED_ATTEMPTS]

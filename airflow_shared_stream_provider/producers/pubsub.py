@@ -205,6 +205,19 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                     self._next_pull = self._start_pull(await self.wait_for_credit())
                 task, self._next_pull = self._next_pull, None
                 pull_index, started, received = await task
+                if self._buffer.fatal is not None:
+                    # The acks failed for good while this pull was out (an outage): the stream ends.
+                    # Hand these back instead of broadcasting them: their acks could not be sent,
+                    # so the watchers would fire for them now and again on the redelivery.
+                    if received:
+                        await best_effort(
+                            self._send("modify", [item.ack_id for item in received], 0),
+                            self.log,
+                            "Could not hand back %d pulled message(s); Pub/Sub redelivers them after the ack deadline",
+                            len(received),
+                            timeout=10,
+                        )
+                    raise self._buffer.fatal
                 if not received:
                     self.deferred.release_all()  # quiet subscription: hold nothing (see _core/release.py)
                     # Real Pub/Sub holds an empty pull open until pull_timeout; a server that answers

@@ -52,6 +52,9 @@ lease lost          the lease keeper extends the visibility of every message wat
                     refuses an extension (the message already became visible), it is counted in
                     ``leases_lost``: SQS may deliver it again, so watchers may see it twice.
 advance raises      the group ends; undeleted messages come back after their visibility timeout.
+outage              a receive that fails transiently (network, throttling) is retried 1, 2, 4, 8 s
+                    apart; the 5th failure in a row fails the group with ``BrokerUnavailableError``
+                    (not a configuration error); the re-created triggers resume once SQS answers.
 crash / restart     nothing undeleted is lost: messages come back after ``visibility_timeout``
                     (default 30 s) with ApproximateReceiveCount + 1. A clean stop releases the
                     messages still in flight at once (visibility 0).
@@ -204,10 +207,14 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                     try:
                         started, messages = task.result()
                     except AWS_ERRORS as exc:
-                        delay = errors.failed() if is_transient(exc) else None
+                        cause = f"ReceiveMessage failed: {self._api.explain(exc, settings.queue_url)}"
+                        if not is_transient(exc):
+                            raise self._api.config_error(cause, exc) from exc
+                        delay = errors.failed()
                         if delay is None:
-                            raise self._api.config_error(
-                                f"ReceiveMessage failed: {self._api.explain(exc, settings.queue_url)}", exc
+                            # A broker outage that outlasted the error streak: transient, not a setting.
+                            raise self._api.unavailable_error(
+                                f"{cause}; {errors.count} failures in a row", exc
                             ) from exc
                         self.log.warning("SQS receive failed (%s); retrying in %.0f s", exc, delay)
                         await asyncio.sleep(delay)

@@ -17,7 +17,9 @@ leases, FIFO order) stays in :mod:`.sqs`.
   :class:`SqsAdvanceError` when some still fail.
 * **Errors**: configuration mistakes become :class:`SharedStreamConfigError` naming the queue, the
   connection and where it points (never a secret); :func:`is_transient` tells throttling and
-  network blips (retried) from mistakes (raised).
+  network blips (retried) from mistakes (raised). A transient failure that outlasts the retries
+  (the endpoint unreachable at start, or for longer than the receive loop's error streak) is a
+  :class:`BrokerUnavailableError` with the same context: a broker outage, not a setting.
 * **Wire format**: message attributes as text, ``content-transfer-encoding: base64`` bodies
   decoded, system attributes as envelope metadata, and the ``SendMessageBatch`` entry that
   re-sends a message to a DLQ within SQS's 10-attribute limit.
@@ -37,7 +39,11 @@ from typing import Any, Final
 from airflow_shared_stream_provider._core import connections
 from airflow_shared_stream_provider._core.dead_letter import add_within_limit
 from airflow_shared_stream_provider._core.envelope import iso_timestamp, text_value
-from airflow_shared_stream_provider._core.errors import SharedStreamConfigError, missing_dependency
+from airflow_shared_stream_provider._core.errors import (
+    BrokerUnavailableError,
+    SharedStreamConfigError,
+    missing_dependency,
+)
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 from airflow_shared_stream_provider._core.retry import Backoff, Retry, retry_entries
 from airflow_shared_stream_provider.triggers.sqs import SqsStreamSettings, region_from_queue_url
@@ -110,6 +116,18 @@ class SqsApi:
         return connections.config_error(
             f"SQS queue {self.settings.queue_url!r}", f"{cause} (aws_conn_id={conn!r}; {where})", exc
         )
+
+    def unavailable_error(self, cause: str, exc: BaseException | None = None) -> BrokerUnavailableError:
+        """A transient failure that outlasted the retries (same context as :meth:`config_error`)."""
+        where = self.client_settings.describe() if self.client_settings else ""
+        conn = self.settings.aws_conn_id
+        error = BrokerUnavailableError(
+            f"SQS queue {self.settings.queue_url!r}: {cause} (aws_conn_id={conn!r}; {where}); the stream "
+            "resumes when the trigger is re-created and SQS answers again (unsettled messages come back "
+            "after their visibility timeout)"
+        )
+        error.__cause__ = exc
+        return error
 
     def explain(self, exc: BaseException, queue_url: str) -> str:
         """What a botocore error means, for a configuration error or an advance error."""
@@ -299,6 +317,8 @@ class SqsApi:
             cause = self.explain(exc, queue_url)
             if role == "dlq":
                 cause = f"dlq_queue_url {queue_url!r}: {cause}"
+            if is_transient(exc):  # botocore's retries are spent: an outage, not a setting
+                raise self.unavailable_error(cause, exc) from exc
             raise self.config_error(cause, exc) from exc
         return dict(response.get("Attributes", {}))
 

@@ -25,7 +25,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import ClassVar, Literal, Unpack
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
@@ -33,6 +33,8 @@ from airflow_shared_stream_provider._core.settings import StreamSettings
 from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
 
 PartialAssignmentPolicy = Literal["fail", "warn"]
+PositionStore = Literal["watchers", "group"]
+POSITION_STORES: tuple[PositionStore, ...] = ("watchers", "group")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,6 +52,7 @@ class KafkaStreamSettings(StreamSettings):
     on_partial_assignment: PartialAssignmentPolicy = "fail"
     partial_assignment_grace: float = 30.0
     hold_backoff: float = 1.0
+    position_store: PositionStore = "watchers"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -66,10 +69,23 @@ class KafkaStreamSettings(StreamSettings):
         self.require_number("max_batch_size", self.max_batch_size, minimum=1, maximum=100_000)
         self.require_number("partial_assignment_grace", self.partial_assignment_grace, minimum=0)
         self.require_number("hold_backoff", self.hold_backoff, minimum=0)
+        if self.position_store not in POSITION_STORES:
+            raise SharedStreamConfigError(
+                f"position_store must be one of {POSITION_STORES}, got {self.position_store!r}"
+            )
         if self.on_partial_assignment not in ("fail", "warn"):
             raise SharedStreamConfigError(
                 f"on_partial_assignment must be 'fail' or 'warn', got {self.on_partial_assignment!r}"
             )
+
+    def position_scope(self) -> Hashable | None:
+        """
+        ``position_store="watchers"``: positions are offsets of these topics, as read through this
+        connection (the group only matters for the committed offsets, the fallback).
+        """
+        if self.position_store != "watchers":
+            return None
+        return ("kafka", self.kafka_config_id, self.topics, self.group_id)
 
     def effective_group_id(self) -> str:
         """``group_id`` if set, else the derived group (used when the connection has no ``group.id``)."""
@@ -108,11 +124,20 @@ class KafkaSharedStreamTrigger(SharedStreamTrigger):
     :param max_delivery_attempts: poison cap, counted per consumer session (default 5, None = off).
     :param poll_timeout: seconds one fetch waits for data (default 1.0).
     :param max_batch_size: most records per fetch (default 500).
-    :param on_partial_assignment: ``fail`` (default) or ``warn`` when the group gives this consumer
-        only some partitions of a topic (siblings on several triggerers sharing one group).
+    :param on_partial_assignment: ``position_store="group"`` only: ``fail`` (default) or ``warn``
+        when the group gives this consumer only some partitions of a topic (siblings on several
+        triggerers sharing one group).
     :param partial_assignment_grace: seconds a partial assignment may last (rebalances) before it
         counts (default 30).
     :param hold_backoff: seconds before a held (zero-watcher) message is read again (default 1).
+    :param position_store: where each watcher's progress lives. ``"watchers"`` (default): the
+        stream reads every partition itself (no partition split between triggerers, no rebalances)
+        and each watcher's position is kept in its asset's state store, so a watcher that moves to
+        another triggerer's running stream replays from its own position, and its siblings skip
+        what they already fired; offsets are still committed to the group (lag monitoring, and the
+        start of a watcher without a position). ``"group"``: the previous behaviour, the group's
+        committed offsets only, partitions assigned by the group (several triggerers split them:
+        see ``on_partial_assignment``). See docs/kafka.md, "Several triggerers".
     """
 
     settings_class = KafkaStreamSettings
@@ -131,6 +156,7 @@ class KafkaSharedStreamTrigger(SharedStreamTrigger):
         on_partial_assignment: PartialAssignmentPolicy = "fail",
         partial_assignment_grace: float = 30.0,
         hold_backoff: float = 1.0,
+        position_store: PositionStore = "watchers",
         **options: Unpack[SharedStreamOptions],
     ) -> None:
         if isinstance(topics, str):
@@ -145,5 +171,6 @@ class KafkaSharedStreamTrigger(SharedStreamTrigger):
             on_partial_assignment=on_partial_assignment,
             partial_assignment_grace=partial_assignment_grace,
             hold_backoff=hold_backoff,
+            position_store=position_store,
             **options,
         )

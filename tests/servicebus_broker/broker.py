@@ -122,8 +122,9 @@ class _ConnectionRecord:
 class Broker:
     """All broker state; lives on (and must only be touched from) the broker loop."""
 
-    def __init__(self, *, max_message_size: int = 4 * 1024 * 1024) -> None:
+    def __init__(self, *, max_message_size: int = 4 * 1024 * 1024, sas_keys: dict[str, str] | None = None) -> None:
         self.max_message_size = max_message_size
+        self.sas_keys = sas_keys  # None: any token is accepted
         self.entities: dict[str, Entity] = {}  # receivable: queues, subscriptions, DLQs
         self.topics: dict[str, Topic] = {}
         self.errors: list[BrokerError] = []
@@ -259,7 +260,7 @@ class Broker:
             return
         if link.kind == "cbs":
             self.management_calls["put-token"] += 1
-            response = handle_cbs(request)
+            response = handle_cbs(request, self.sas_keys)
         else:
             assert link.entity is not None
             operation = str(request.application_properties.get("operation", "?"))
@@ -666,6 +667,17 @@ class BrokerHandle:
         if errors:
             raise AssertionError("servicebus test broker errors:\n" + "\n".join(str(e) for e in errors))
 
+    def restart_listener(self, down: float = 0.0, timeout: float = 10.0) -> None:
+        """
+        A broker restart that keeps its data: close the listener and every connection (clients see
+        their connection end and reconnects refused), wait ``down`` seconds, listen again on the same
+        port. Entities, messages and their locks are kept, as the service keeps them across a restart
+        (a lock still runs out after its lock duration).
+        """
+        asyncio.run_coroutine_threadsafe(_close_listener(self._broker), self._loop).result(timeout)
+        time.sleep(down)
+        asyncio.run_coroutine_threadsafe(_listen(self._broker, self.port), self._loop).result(timeout)
+
     def stop(self, timeout: float = 10.0) -> None:
         """Close the listener and all connections, stop the loop and join the thread."""
         if self._stopped:
@@ -697,23 +709,45 @@ async def _shutdown(broker: Broker) -> None:
         await server.wait_closed()
 
 
-def start_broker(*, max_message_size: int = 4 * 1024 * 1024) -> BrokerHandle:
-    """Start a broker on 127.0.0.1 (free port) in a daemon thread and return its handle."""
-    broker = Broker(max_message_size=max_message_size)
-    loop = asyncio.new_event_loop()
-    ready: concurrent.futures.Future[int] = concurrent.futures.Future()
+async def _close_listener(broker: Broker) -> None:
+    """Stop listening and close every connection; the broker's state stays."""
+    server = _SERVERS.pop(id(broker), None)
+    if server is not None:
+        server.close()
+    for connection in list(broker._live.values()):
+        connection.closed = True
+        connection.writer.close()
+    if server is not None:
+        await server.wait_closed()
+
+
+async def _listen(broker: Broker, port: int) -> int:
+    """Listen on 127.0.0.1:``port`` (0: a free one); return the port."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = Connection(broker, reader, writer)
         broker.connection_opened(connection)
         await connection.run()
 
+    server = await asyncio.start_server(serve, "127.0.0.1", port, reuse_address=True)
+    _SERVERS[id(broker)] = server
+    return int(server.sockets[0].getsockname()[1])
+
+
+def start_broker(*, max_message_size: int = 4 * 1024 * 1024, sas_keys: dict[str, str] | None = None) -> BrokerHandle:
+    """
+    Start a broker on 127.0.0.1 (free port) in a daemon thread and return its handle. With
+    ``sas_keys`` (key name -> key) it checks the SAS token of every ``$cbs`` put-token (else 401).
+    """
+    broker = Broker(max_message_size=max_message_size, sas_keys=sas_keys)
+    loop = asyncio.new_event_loop()
+    ready: concurrent.futures.Future[int] = concurrent.futures.Future()
+
     async def main() -> None:
         broker.loop = asyncio.get_running_loop()
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        _SERVERS[id(broker)] = server
+        port = await _listen(broker, 0)
         broker.loop.create_task(broker.lock_timer())
-        ready.set_result(server.sockets[0].getsockname()[1])
+        ready.set_result(port)
 
     def run() -> None:
         asyncio.set_event_loop(loop)

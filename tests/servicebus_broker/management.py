@@ -1,6 +1,8 @@
 """Request/response nodes: ``$cbs`` and ``ENTITY/$management`` (AMQP management, Service Bus flavour).
 
-Implemented ``$cbs`` operation: ``put-token`` (any token is accepted: status-code 202).
+Implemented ``$cbs`` operation: ``put-token``: any token is accepted (status-code 202), unless the
+broker was started with ``sas_keys`` (key name -> key): then the token must be a shared access
+signature made with one of them, else 401.
 
 Implemented ``$management`` operations (also on ``ENTITY/$DeadLetterQueue/$management``):
 
@@ -20,10 +22,14 @@ Anything else answers 501 ``amqp:not-implemented`` (scheduling, rules, session l
 
 from __future__ import annotations
 
+import hmac
 import uuid
-from collections.abc import Callable
+from base64 import b64encode
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from hashlib import sha256
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, quote_plus
 
 from .codec import Array, Described, Int, Symbol, Timestamp, ULong, encode_value
 from .entities import Entity, LockLostError, SessionLockLostError
@@ -83,10 +89,30 @@ def _body(request: StoredMessage) -> dict[str, Any]:
     return {str(key): item for key, item in value.items()}
 
 
-def handle_cbs(request: StoredMessage) -> Response:
+UNAUTHORIZED = 401
+
+
+def _sas_valid(token: Any, keys: Mapping[str, str]) -> bool:
+    """Whether ``token`` is ``SharedAccessSignature sr=..&sig=..&se=..&skn=..`` signed with ``keys[skn]``."""
+    text = token.decode("utf-8", "replace") if isinstance(token, bytes) else str(token)
+    prefix = "SharedAccessSignature "
+    if not text.startswith(prefix):
+        return False
+    fields = dict(parse_qsl(text[len(prefix) :], keep_blank_values=True))
+    key = keys.get(fields.get("skn", ""))
+    if key is None:
+        return False
+    signed = f"{quote_plus(fields.get('sr', ''))}\n{fields.get('se', '')}".encode()
+    expected = b64encode(hmac.new(key.encode(), signed, sha256).digest()).decode()
+    return hmac.compare_digest(expected, fields.get("sig", ""))
+
+
+def handle_cbs(request: StoredMessage, sas_keys: Mapping[str, str] | None = None) -> Response:
     operation = str(request.application_properties.get("operation", ""))
     if operation != "put-token":
         return Response(BAD_REQUEST, f"unsupported cbs operation {operation!r}")
+    if sas_keys is not None and not _sas_valid(request.body, sas_keys):
+        return Response(UNAUTHORIZED, "InvalidSignature: The token has an invalid signature.")
     return Response(ACCEPTED, "Accepted")
 
 

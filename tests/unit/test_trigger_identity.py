@@ -54,6 +54,7 @@ _ALTERNATIVES: dict[str, Any] = {
     "on_partial_assignment": "warn",
     "partial_assignment_grace": 1.0,
     "hold_backoff": 3.0,
+    "position_store": "group",
     "max_payload_bytes": 4096,
     "oversize_policy": "truncate",
     "max_delivery_attempts": 9,

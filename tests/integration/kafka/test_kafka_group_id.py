@@ -1,6 +1,7 @@
 """
 The consumer group: trigger ``group_id`` > the connection's ``group.id`` > derived, continuity with
-the upstream provider's committed offsets, and one stream per group and topic in a triggerer.
+the upstream provider's committed offsets, and (``position_store="group"``) one stream per group and
+topic in a triggerer.
 
 Real broker (Tansu or KAFKA_BOOTSTRAP_SERVERS), real ``SharedStreamManager`` driven like the
 triggerer (RunnerSim), and for continuity the upstream provider's own shared-stream trigger.
@@ -154,8 +155,10 @@ async def test_two_streams_resolving_to_one_group_on_one_topic_fail_the_second(
     set_connection(monkeypatch, connection_extra(adapter, group_id=adapter.group_id))
 
     def stream(**kwargs: Any) -> KafkaSharedStreamTrigger:
+        # Group mode: with watcher positions (the default) a stream assigns itself every partition
+        # and no claim is needed (test_watcher_positions.py runs two streams on one group).
         return KafkaSharedStreamTrigger(
-            topics=[adapter.topic], kafka_config_id=MIGRATED_CONN, poll_timeout=0.2, **kwargs
+            topics=[adapter.topic], kafka_config_id=MIGRATED_CONN, poll_timeout=0.2, position_store="group", **kwargs
         )
 
     await adapter.publish([b'{"n": 1}', b'{"n": 2}', b'{"n": 3}'])
@@ -194,7 +197,7 @@ async def test_a_stream_restarting_while_its_old_producer_runs_keeps_the_group(
     set_connection(monkeypatch, connection_extra(adapter, group_id=adapter.group_id))
 
     def stream(**kwargs: Any) -> KafkaSharedStreamTrigger:
-        options: dict[str, Any] = {"poll_timeout": 0.2, "on_partial_assignment": "warn"}
+        options: dict[str, Any] = {"poll_timeout": 0.2, "on_partial_assignment": "warn", "position_store": "group"}
         options.update(kwargs)
         return KafkaSharedStreamTrigger(topics=[adapter.topic], kafka_config_id=MIGRATED_CONN, **options)
 

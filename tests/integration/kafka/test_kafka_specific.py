@@ -88,13 +88,14 @@ async def test_a_message_that_keeps_failing_is_dead_lettered_with_its_headers(ad
 
 
 async def test_siblings_on_two_triggerers_sharing_a_group_fail_loudly(adapter: KafkaAdapter) -> None:
+    """``position_store="group"``; the default (watcher positions) never splits: test_watcher_positions.py."""
     await adapter.publish(orders(6))
     first = RunnerSim(SharedStreamManager())
     second = RunnerSim(SharedStreamManager())  # another triggerer process, same group id
     async with first, second:
-        first.add(1, adapter.make_trigger(partial_assignment_grace=0))
+        first.add(1, adapter.make_trigger(partial_assignment_grace=0, position_store="group"))
         await wait_until(lambda: first.count(1) + len(first.pending) >= 1, timeout=30, what="first consuming")
-        second.add(2, adapter.make_trigger(partial_assignment_grace=0))
+        second.add(2, adapter.make_trigger(partial_assignment_grace=0, position_store="group"))
         await wait_until(lambda: bool(first.failures) and bool(second.failures), timeout=60, what="both fail")
     for runner in (first, second):
         [error] = runner.failures.values()
@@ -107,8 +108,9 @@ async def test_with_on_partial_assignment_warn_the_stream_keeps_running(adapter:
     first = RunnerSim(SharedStreamManager(), confirm_interval=0.05)
     second = RunnerSim(SharedStreamManager(), confirm_interval=0.05)
     async with first, second:
-        first.add(1, adapter.make_trigger(partial_assignment_grace=0, on_partial_assignment="warn"))
-        second.add(2, adapter.make_trigger(partial_assignment_grace=0, on_partial_assignment="warn"))
+        warn: dict[str, Any] = {"on_partial_assignment": "warn", "position_store": "group"}
+        first.add(1, adapter.make_trigger(partial_assignment_grace=0, **warn))
+        second.add(2, adapter.make_trigger(partial_assignment_grace=0, **warn))
         await wait_until_async(lambda: fully_committed(adapter), timeout=60)
         assert not first.failures and not second.failures
     # Together they saw everything, but each saw only part of the topic: what "warn" accepts.
@@ -118,7 +120,7 @@ async def test_with_on_partial_assignment_warn_the_stream_keeps_running(adapter:
 async def test_a_rebalance_never_commits_outcomes_for_a_revoked_partition(adapter: KafkaAdapter) -> None:
     await adapter.publish(orders(6))
     async with RunnerSim(SharedStreamManager()) as runner:
-        runner.add(1, adapter.make_trigger(on_partial_assignment="warn"))
+        runner.add(1, adapter.make_trigger(on_partial_assignment="warn", position_store="group"))
         await wait_until(lambda: len(runner.pending) == 6, timeout=30, what="6 fired, not persisted")
         # A second member joins the group: partitions are revoked from our consumer mid-flight.
         intruder = AIOKafkaConsumer(

@@ -1,0 +1,81 @@
+"""Watcher positions without a broker: the record format, the lane thresholds, the farewell write."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from airflow_shared_stream_provider._core.positions import WatcherPositions, parse_record, position_key
+from airflow_shared_stream_provider.producers.kafka_lanes import Lane
+
+
+class Store:
+    def __init__(self, initial: dict[str, Any] | None = None) -> None:
+        self.values: dict[str, Any] = dict(initial or {})
+
+    async def aget(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+    async def aset(self, key: str, value: Any) -> None:
+        self.values[key] = value
+
+
+@pytest.mark.parametrize(
+    ("record", "parsed"),
+    [
+        ({"v": 1, "positions": {"t/0": 5, "t/1": 0}}, {"t/0": 5, "t/1": 0}),
+        ({"v": 1, "positions": {"t/0": -1, "t/1": "7", "t/2": True, "t/3": 3}}, {"t/3": 3}),
+        ({"v": 2, "positions": {"t/0": 5}}, None),
+        ({"positions": {"t/0": 5}}, None),
+        (["t/0", 5], None),
+        (None, None),
+    ],
+)
+def test_only_well_formed_positions_are_read(record: Any, parsed: dict[str, int] | None) -> None:
+    assert parse_record(record) == parsed
+
+
+def test_the_key_depends_on_scope_and_identity_only() -> None:
+    assert position_key(("kafka", "c", ("t",), None), "a#1") == position_key(("kafka", "c", ("t",), None), "a#1")
+    assert position_key(("kafka", "c", ("t",), None), "a#1") != position_key(("kafka", "c", ("t",), "g"), "a#1")
+    assert position_key(("kafka", "c", ("t",), None), "a#1") != position_key(("kafka", "c", ("t",), None), "b#1")
+
+
+def test_a_lane_names_who_skips_only_below_its_floor() -> None:
+    lane = Lane.placed(1, 4, attempts={}, thresholds={1: 10, 2: 10, 3: 4})
+    assert lane.position() == 4 and lane.next_read() == 4
+    assert lane.skip_for(4) == frozenset({1, 2})
+    assert lane.skip_for(9) == frozenset({1, 2})
+    assert lane.skip_for(10) is None  # the hot path: everybody
+    assert Lane.placed(1, 0, attempts={}, thresholds={}).skip_for(0) is None
+    # A lane placed at 0 with nothing read yet has a position (0), unlike a group-mode lane.
+    assert Lane.placed(1, 0, attempts={}, thresholds={1: 0}).position() == 0
+    assert Lane(epoch=1).position() is None
+
+
+async def test_a_leaving_watcher_stores_the_position_it_had_when_it_left() -> None:
+    positions = WatcherPositions()
+    store = Store()
+    number = positions.join("a#1", "k", [("a", store)])
+    await positions.wait_lookups(timeout=1)
+    [member] = positions.take_placeable()
+    member.placed = True
+    now = {"t/0": 7}
+    positions.positions_of = lambda m: dict(now)
+    positions.leave(number)
+    now["t/0"] = 99  # the lane moves on without it: must not be what is stored
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert store.values["k"] == {"v": 1, "positions": {"t/0": 7}}
+
+
+async def test_a_watcher_without_a_state_store_is_placeable_at_once_and_never_written() -> None:
+    positions = WatcherPositions()
+    number = positions.join("a#1", "k", [])
+    [member] = positions.take_placeable()
+    assert member.number == number and member.stored is None
+    member.placed = True
+    positions.schedule_write(lambda m: {"t/0": 1})
+    assert positions._writer is None
