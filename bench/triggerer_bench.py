@@ -582,9 +582,21 @@ from airflow.sdk import DAG, Asset, AssetAny, AssetWatcher, task
 from {module} import {cls}
 
 TRIGGER_KWARGS = {kwargs}
+# Our triggers get a filter of their own per watcher (always true: every envelope's "broker" is
+# one of the listed values). Airflow keeps ONE trigger row for identical trigger kwargs, whose
+# assets then share one subscriber and one TriggerEvent per message: N distinct watchers are N
+# subscribers, as in a real deployment where each watcher has its own filter.
+DISTINCT = {distinct}
+
+
+def watcher_kwargs(i):
+    if not DISTINCT:
+        return TRIGGER_KWARGS
+    return {{**TRIGGER_KWARGS, "match": {{"broker": [{broker!r}, f"w{{i}}"]}}}}
+
 
 assets = [
-    Asset(f"asset_{{i}}", watchers=[AssetWatcher(name=f"w_{{i}}", trigger={cls}(**TRIGGER_KWARGS))])
+    Asset(f"asset_{{i}}", watchers=[AssetWatcher(name=f"w_{{i}}", trigger={cls}(**watcher_kwargs(i)))])
     for i in range({n})
 ]
 
@@ -598,11 +610,18 @@ with DAG("{dag_id}", schedule=AssetAny(*assets), max_active_runs=1, catchup=Fals
 '''
 
 
-def write_dag(folder: Path, trigger_path: str, kwargs: dict[str, Any], n: int) -> Path:
+def write_dag(
+    folder: Path, trigger_path: str, kwargs: dict[str, Any], n: int, *, distinct: bool, broker: str
+) -> Path:
+    """``distinct``: one trigger row (one subscriber) per watcher; else all N share one row."""
     module, cls = trigger_path.rsplit(".", 1)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "bench_watchers.py"
-    path.write_text(DAG_TEMPLATE.format(n=n, module=module, cls=cls, kwargs=repr(kwargs), dag_id=DAG_ID))
+    path.write_text(
+        DAG_TEMPLATE.format(
+            n=n, module=module, cls=cls, kwargs=repr(kwargs), dag_id=DAG_ID, distinct=distinct, broker=broker
+        )
+    )
     return path
 
 
@@ -982,7 +1001,9 @@ def run_case(spec: CaseSpec, broker: BenchBroker, case_id: str) -> dict[str, Any
             pg = PostgresServer(settings=FAST_SETTINGS if spec.pg_fast else {})
             pg.start()
             result["postgres"] = {"settings": dict(pg.settings) or "PostgreSQL defaults (fsync on)"}
-        write_dag(work / "dags", path, kwargs, spec.n)
+        distinct = spec.impl == "ours"  # the upstream trigger has no per-watcher filter argument
+        result["distinct_trigger_rows"] = distinct
+        write_dag(work / "dags", path, kwargs, spec.n, distinct=distinct, broker=spec.broker)
         env = BenchAirflowEnv(
             work / "dags",
             connections=stream.connections(spec.impl),

@@ -7,7 +7,8 @@ structlog call that runs in a thread executor), ``manager.bind_pending_event`` a
 event; the supervisor persists queued events and confirms their seqs on the next state sync
 (``manager.confirm_persisted``). :class:`RunnerSim` reproduces exactly that, with:
 
-* ``executor_hop=True`` to reproduce the per-event thread-executor hop of ``log.ainfo``;
+* ``executor_hop=True`` to reproduce the per-event thread-executor hop of ``log.ainfo``, and
+  ``hop_seconds`` to make it last (a stop then cancels triggers between yield and binding);
 * persistence either automatic every ``confirm_interval`` seconds (benchmarks, integration tests)
   or manual through :meth:`RunnerSim.persist` (unit tests: no timing involved);
 * ``crash()`` to drop every unconfirmed event, as a triggerer killed before persisting would;
@@ -42,6 +43,9 @@ class _Pending:
 class RunnerSim:
     manager: SharedStreamManager
     executor_hop: bool = False
+    # Seconds each event spends between the trigger's yield and its binding (the real runner's
+    # ``await log.ainfo(...)``): a stop during that time cancels the trigger mid-hand-over.
+    hop_seconds: float = 0.0
     confirm_interval: float | None = None
     on_persist: Callable[[int, TriggerEvent], None] | None = None
     # Trigger ids whose events are never persisted (a watcher stuck behind a broken DB write).
@@ -76,6 +80,8 @@ class RunnerSim:
             async for event in trigger.filter_shared_stream(stream):
                 if self.executor_hop:
                     await loop.run_in_executor(None, _executor_noop)
+                if self.hop_seconds:
+                    await asyncio.sleep(self.hop_seconds)
                 seq = self.manager.bind_pending_event(trigger_id=trigger_id, key=key)
                 self.pending.append(_Pending(trigger_id, event, seq))
         except asyncio.CancelledError:

@@ -224,13 +224,23 @@ class SharedStreamTrigger(BaseEventTrigger):
                     if fire:
                         gate.fired += 1
                         event = self.make_event(raw.envelope)
+                        # Until the runner asks for the next item its hand-over of this event is
+                        # unfinished (see _unrecorded): marked failed meanwhile.
+                        raw.fail(UNRECORDED, culprit=False)
                         yield self._note_fired(event) if notes_fired else event
+                        _recorded(raw)
                 elif isinstance(raw, MessageBatch):
                     gate.consumed(token, raw.seq)
                     batch_event = self._filter_batch(raw, member)
                     if batch_event is not None:
                         gate.fired += 1
+                        # The messages of the batch carry the mark (the batch's deliveries are
+                        # decided per message).
+                        for message in raw.messages:
+                            message.fail(UNRECORDED, culprit=False)
                         yield self._note_fired(batch_event) if notes_fired else batch_event
+                        for message in raw.messages:
+                            _recorded(message)
                 elif isinstance(raw, TriggerEvent):  # a flush marker from _with_flush_markers
                     yield raw
                 else:
@@ -380,6 +390,27 @@ class SharedStreamTrigger(BaseEventTrigger):
             "(Airflow >= 3.3); it has no standalone run() path"
         )
         yield  # pragma: no cover
+
+
+# A watcher that yielded an event and was stopped before the triggerer recorded it. In Airflow 3.3.2
+# the runner logs each event (``await log.ainfo``, a thread hop) *before* binding it to its raw
+# event; a trigger cancelled during that hop (a graceful triggerer stop cancels every trigger) drops
+# the event, and the manager resolves the raw event as accepted for this watcher, as if the event
+# had been persisted: the broker would settle a message whose event exists nowhere (found by the
+# soak, bench/soak.py: SQS and Pub/Sub lost what fired in the seconds after a SIGTERM). So the mark
+# is put on the message before the yield and removed when the runner asks for the next item, which
+# it does only after binding the event; a watcher stopped in between leaves the mark, and the
+# producer counts it as a failure (``message_outcome``): the message is redelivered.
+UNRECORDED: Final = "watcher stopped before the triggerer recorded its event"
+
+
+def _recorded(message: StreamMessage) -> None:
+    """Take back the mark of :data:`UNRECORDED` (the runner bound the event, it is in its queue)."""
+    failures = message.failures
+    if failures is not None:
+        failures.remove(UNRECORDED)
+        if not failures:
+            message.failures = None  # keeps the producer's fast path for this message
 
 
 def _describe_filter_error(exc: BaseException) -> str:

@@ -12,6 +12,7 @@ asserts broker state through the adapter's independent client.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -81,6 +82,32 @@ class ContractSuite:
         assert envelope["body_encoding"] == "json"
         assert envelope["delivery_attempt"] >= 1
         assert len({p["message_id"] for p in runner.persisted[1]}) == 30
+
+    async def test_a_stop_while_the_runner_hands_an_event_over_redelivers_it(self, adapter: BrokerAdapter) -> None:
+        """
+        A graceful triggerer stop cancels every trigger; one cancelled between yielding an event
+        and the runner binding it (the runner logs the event first, a thread hop) drops the event,
+        and the manager resolves the message as accepted for that watcher. It must come back.
+        (Found by the soak: SQS and Pub/Sub lost what fired in the seconds after a SIGTERM.)
+        """
+        await adapter.publish(orders(4))
+        manager = SharedStreamManager(ack_timeout=60)
+        async with RunnerSim(manager, confirm_interval=0.05, hop_seconds=30) as runner:
+            runner.add(1, adapter.make_trigger())
+            runner.add(2, adapter.make_trigger())
+            await asyncio.sleep(2.0)  # each watcher yielded its first event and sits in the hop
+            assert not runner.persisted
+        # The stop (leaving the block) cancelled both in the hop: nothing was persisted.
+        manager = SharedStreamManager(ack_timeout=60)
+        async with RunnerSim(manager, confirm_interval=0.05) as runner:
+            runner.add(1, adapter.make_trigger())
+            runner.add(2, adapter.make_trigger())
+            await wait_until(
+                lambda: all({p["body"]["order_id"] for p in runner.persisted[t]} == set(range(4)) for t in (1, 2)),
+                timeout=self.settle_timeout,
+                what="all 4 orders at both watchers after the stop",
+            )
+            await wait_until_settled(adapter, timeout=self.settle_timeout)
 
     async def test_nothing_is_settled_before_persistence_and_a_crash_redelivers(self, adapter: BrokerAdapter) -> None:
         await adapter.publish(orders(12))
