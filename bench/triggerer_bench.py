@@ -610,9 +610,7 @@ with DAG("{dag_id}", schedule=AssetAny(*assets), max_active_runs=1, catchup=Fals
 '''
 
 
-def write_dag(
-    folder: Path, trigger_path: str, kwargs: dict[str, Any], n: int, *, distinct: bool, broker: str
-) -> Path:
+def write_dag(folder: Path, trigger_path: str, kwargs: dict[str, Any], n: int, *, distinct: bool, broker: str) -> Path:
     """``distinct``: one trigger row (one subscriber) per watcher; else all N share one row."""
     module, cls = trigger_path.rsplit(".", 1)
     folder.mkdir(parents=True, exist_ok=True)
