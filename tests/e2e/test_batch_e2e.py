@@ -172,13 +172,24 @@ def test_batches_survive_kill9_of_the_triggerer_losing_nothing(
     for watcher, message_id_ in pairs:
         record = by_id[message_id_]
         assert watcher in expected_for(record.message)[0], (watcher, message_id_)
-    # Fewer, fuller events: far fewer asset events than (watcher, message) deliveries.
-    assert batch_events * 5 < len(pairs), (batch_events, len(pairs))
+    # Fewer, fuller events: far fewer asset events than (watcher, message) deliveries (per message
+    # it would be one each). How full depends on the backlog each restart builds: a steady 8 msgs/s
+    # over 3 partitions fills about 2 messages per lane in batch_timeout=0.5 s, a restart's backlog
+    # fills whole batches; with watcher positions a restart replays less than it did (measured:
+    # 13.5 deliveries per event before them, 4.5 after).
+    assert batch_events * 3 < len(pairs), (batch_events, len(pairs))
     # Malformed orders were rejected by batch_valid one by one: dead-lettered, their neighbours not.
     dead = {message_id(p) for p in published if expected_for(p.message)[1]}
     assert dead
-    sources = {record["headers"].get("x-dead-letter-source") for record in batch_orders.dlq_records()}
-    assert dead <= sources
+
+    def dead_lettered() -> set[str] | None:
+        # A batch is dead-lettered when it is advanced, which can trail the deliveries by a round.
+        found = {record["headers"].get("x-dead-letter-source") for record in batch_orders.dlq_records()}
+        return found if dead <= found else None
+
+    sources = batch_airflow.wait_until(
+        dead_lettered, timeout=120, what=f"{len(dead)} malformed orders dead-lettered", interval=2
+    )
     assert not (sources & (mine - dead))
 
 
