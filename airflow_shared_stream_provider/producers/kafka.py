@@ -382,10 +382,11 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         committed_map = await consumer._coordinator.fetch_committed_offsets(tps)
         ends = await consumer.end_offsets(tps)
         committed: dict[TopicPartition, int | None] = {}
+        usable: dict[TopicPartition, dict[int, int]] = {}
         for tp in tps:
             entry = committed_map.get(tp)
             committed[tp] = entry.offset if entry is not None and entry.offset >= 0 else None
-            stored = self._usable_positions(tp, members, end=ends.get(tp))
+            stored = usable[tp] = self._usable_positions(tp, members, end=ends.get(tp))
             if not stored:
                 continue  # nobody has a position here: the committed offset (or auto.offset.reset)
             start = min(stored.values())
@@ -395,7 +396,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             consumer.seek(tp, start)
         for tp in tps:
             offset = await consumer.position(tp)  # resolves committed offset / auto.offset.reset
-            stored = self._usable_positions(tp, members, end=ends.get(tp))
+            stored = usable[tp]
             default = committed[tp] if committed[tp] is not None else offset
             lane = Lane.placed(
                 next(_epochs),
