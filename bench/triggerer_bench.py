@@ -843,7 +843,7 @@ class CaseSpec:
     sample_interval: float
     keep_home: bool
     extra_kwargs: tuple[tuple[str, Any], ...] = ()
-    # "one-session": the local Airflow patch of bench/patches/sitecustomize.py (upstream proposal).
+    # A local Airflow patch of bench/patches/sitecustomize.py (upstream proposals).
     patch: str | None = None
 
     @property
@@ -1005,7 +1005,7 @@ def run_case(spec: CaseSpec, broker: BenchBroker, case_id: str) -> dict[str, Any
         env = BenchAirflowEnv(
             work / "dags",
             connections=stream.connections(spec.impl),
-            env={**stream.env(), **({"AIRFLOW_BENCH_ONE_SESSION_PER_SYNC": "1"} if spec.patch else {})},
+            env={**stream.env(), **({"AIRFLOW_BENCH_PATCH": spec.patch} if spec.patch else {})},
             python_path=(work / "dags", PATCHES) if spec.patch else None,
             triggerer={
                 "max_trigger_to_select_per_loop": max(50, spec.n + 10),
@@ -1291,10 +1291,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scheduler", action="store_true", help="also run the scheduler (and the api-server)")
     parser.add_argument(
         "--patch",
-        choices=["one-session"],
+        choices=["one-session", "housekeeping-once-a-second"],
         default=None,
         help="run the triggerer with a local Airflow patch (bench/patches/sitecustomize.py): one DB session "
-        "per sync instead of one per event (docs/upstream-proposals.md); never shipped",
+        "per sync instead of one per event, or the supervisor's trigger assignment and cleanup at most once a "
+        "second instead of after every socket read (docs/upstream-proposals.md); never shipped",
     )
     parser.add_argument("--sample-interval", type=float, default=0.5, help="triggerer RSS sampling (default 0.5 s)")
     parser.add_argument("--keep-home", action="store_true", help="keep each case's AIRFLOW_HOME (logs) for debugging")

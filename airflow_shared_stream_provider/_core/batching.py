@@ -25,8 +25,9 @@ batch stays under ``max_payload_bytes`` (a batch is cut before the cap).
 
 Flow control counts raw events (what the watchers' queues hold), so in batch mode the gate's
 window is a number of batches and ``max_in_flight`` (messages) becomes
-``ceil(max_in_flight / batch_size)`` batches; the producer's receive loop asks for credit in
-messages (:meth:`SharedStreamProducerBase.credit`).
+``ceil(max_in_flight / batch_size)`` batches, fewer with many watchers (each watcher's event of a
+batch is a copy of up to ``max_payload_bytes`` until it is persisted: see ``_core/flow.py``); the
+producer's receive loop asks for credit in messages (:meth:`SharedStreamProducerBase.credit`).
 
 How batches form. The broker's receive loop (``_messages``) runs in its own task and hands each
 message over here; a batch is broadcast when it is full, when the next message would take it over

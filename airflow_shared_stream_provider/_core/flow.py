@@ -25,7 +25,15 @@ Measured with Kafka at N=10: +20-30% msgs/s; a lone watcher gains nothing from a
 tightens the invariant above, so it holds through (un)registering.
 
 A second, independent bound caps messages in flight (yielded but not yet advanced), which bounds
-memory and the number of leases a producer keeps alive.
+memory and the number of leases a producer keeps alive. In batch mode it counts batches, and it
+also shrinks with the number of watchers: every watcher's event of a batch is a copy of up to
+``max_payload_bytes`` once it leaves the trigger runner (the runner dumps each event's payload for
+the supervisor, which decodes and keeps each until it is persisted), so unpersisted events of
+``b`` batches weigh up to ``b x watchers x max_payload_bytes``, several times that as Python
+objects, in both triggerer processes. The gate keeps that within :data:`EVENT_BYTES_BUDGET` (never
+below :data:`MIN_BATCHES_IN_FLIGHT`). Measured at N=100, 64 KiB batches: 20 batches in flight
+peaked the triggerer at 2.1 GB RSS; the supervisor persists ~0.7 batch a second for 100 watchers,
+so 5 batches keep it as busy.
 
 One :class:`FlowGate` exists per shared-stream key per process, shared by the producer and the
 watchers through :data:`gates` (the manager gives neither side a handle on the other).
@@ -43,6 +51,9 @@ from airflow_shared_stream_provider._core.positions import WatcherPositions
 # Queued (not yet pulled) messages x watchers the gate allows; see the module docstring.
 BINDING_BUDGET: Final = 2_048
 MIN_WINDOW: Final = 64
+# Batch payload bytes of all watchers' unpersisted events (see the module docstring).
+EVENT_BYTES_BUDGET: Final = 32 * 1024 * 1024
+MIN_BATCHES_IN_FLIGHT: Final = 2
 
 
 def scaled_window(configured: int, watchers: int) -> int:
@@ -52,13 +63,25 @@ def scaled_window(configured: int, watchers: int) -> int:
     return min(configured, max(MIN_WINDOW, BINDING_BUDGET // watchers))
 
 
+def scaled_in_flight(configured: int, batch_bytes: int, watchers: int) -> int:
+    """
+    Most batches (``batch_bytes`` > 0: at most that many bytes per watcher event) or messages
+    (``batch_bytes`` == 0) in flight for ``watchers`` watchers: at most ``configured``.
+    """
+    if batch_bytes <= 0 or watchers <= 0:
+        return configured
+    return min(configured, max(MIN_BATCHES_IN_FLIGHT, EVENT_BYTES_BUDGET // (watchers * batch_bytes)))
+
+
 class FlowGate:
     """Credit between one producer and the watchers of its shared stream."""
 
     def __init__(self) -> None:
         self._configured_window = 1024
         self._window = 1024
-        self.max_in_flight: int = 10_000
+        self._configured_in_flight = 10_000
+        self._max_in_flight = 10_000
+        self._batch_bytes = 0
         self._produced = 0
         self._advanced = 0
         self._consumed: dict[int, int] = {}
@@ -92,6 +115,21 @@ class FlowGate:
         self._rescale()
 
     @property
+    def max_in_flight(self) -> int:
+        """Most messages (batches in batch mode) in flight now: the configured number, scaled."""
+        return self._max_in_flight
+
+    @max_in_flight.setter
+    def max_in_flight(self, configured: int) -> None:
+        self._configured_in_flight = configured
+        self._rescale()
+
+    def count_batches(self, batch_bytes: int) -> None:
+        """Batch mode: the gate counts batches whose watcher events carry up to ``batch_bytes`` each."""
+        self._batch_bytes = batch_bytes
+        self._rescale()
+
+    @property
     def produced(self) -> int:
         return self._produced
 
@@ -114,7 +152,7 @@ class FlowGate:
         by_lag = window - (self._produced - self._floor)
         if by_lag <= 0:
             by_lag = window - (self._produced - self._recompute_floor())
-        by_flight = self.max_in_flight - self.in_flight
+        by_flight = self._max_in_flight - self.in_flight
         return max(0, min(by_lag, by_flight))
 
     async def wait_for_credit(self) -> int:
@@ -157,7 +195,9 @@ class FlowGate:
 
     # -- internals -----------------------------------------------------------------------------
     def _rescale(self) -> None:
-        self._window = scaled_window(self._configured_window, len(self._consumed))
+        watchers = len(self._consumed)
+        self._window = scaled_window(self._configured_window, watchers)
+        self._max_in_flight = scaled_in_flight(self._configured_in_flight, self._batch_bytes, watchers)
 
     def _recompute_floor(self) -> int:
         self._floor = min(self._consumed.values()) if self._consumed else self._produced

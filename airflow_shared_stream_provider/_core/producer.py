@@ -211,6 +211,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             gate.window = flow_window(self.queue_size)
             # In batch mode the gate counts batches (what the watchers' queues hold).
             gate.max_in_flight = -(-self.settings.max_in_flight // self.batch_size)
+            gate.count_batches(self.settings.max_payload_bytes if self.batching else 0)
             self._fired_reported = gate.fired  # the gate may outlive an earlier producer
             self._gate = gate
         return self._gate

@@ -40,6 +40,7 @@ from airflow_shared_stream_provider._core.batching import MessageBatch
 from airflow_shared_stream_provider._core.cohort import cohort_record_enabled, identity_of, record_key, stores_of
 from airflow_shared_stream_provider._core.envelope import OversizePolicy, StreamMessage
 from airflow_shared_stream_provider._core.errors import RejectMessage, SharedStreamConfigError
+from airflow_shared_stream_provider._core.events import StreamTriggerEvent
 from airflow_shared_stream_provider._core.filtering import (
     FILTER_ERROR_POLICIES,
     FilterErrorPolicy,
@@ -170,15 +171,15 @@ class SharedStreamTrigger(BaseEventTrigger):
 
     def make_event(self, envelope: dict[str, Any]) -> TriggerEvent:
         """Build the TriggerEvent for an accepted message; its payload becomes the asset event extra."""
-        return TriggerEvent(envelope)  # type: ignore[no-untyped-call]
+        return StreamTriggerEvent(envelope)
 
     def make_batch_event(self, envelopes: list[dict[str, Any]]) -> TriggerEvent:
         """Build the one TriggerEvent of a batch (batch mode): the accepted envelopes, in lane order."""
-        return TriggerEvent({"messages": envelopes})  # type: ignore[no-untyped-call]
+        return StreamTriggerEvent({"messages": envelopes})
 
     def make_flush_marker(self, last_message_id: str | None) -> TriggerEvent:
         """The ``flush_after`` marker: no message, only what a consumer needs to recognise and skip it."""
-        return TriggerEvent(  # type: ignore[no-untyped-call]
+        return StreamTriggerEvent(
             {
                 "marker": FLUSH_MARKER,
                 "broker": self.settings.broker,

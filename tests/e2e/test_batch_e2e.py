@@ -178,6 +178,11 @@ def test_batches_survive_kill9_of_the_triggerer_losing_nothing(
     # fills whole batches; with watcher positions a restart replays less than it did (measured:
     # 13.5 deliveries per event before them, 4.5 after).
     assert batch_events * 3 < len(pairs), (batch_events, len(pairs))
+    # The runner logs every event with its repr: a batch is named, not repeated (_core/events.py).
+    runner_log = batch_airflow.components["triggerer"].log_text().splitlines()
+    fired = [line for line in runner_log if "Trigger fired event" in line]
+    assert any("batch of" in line for line in fired), fired[:3]
+    assert max(len(line) for line in fired) < 600, max(fired, key=len)[:600]
     # Malformed orders were rejected by batch_valid one by one: dead-lettered, their neighbours not.
     dead = {message_id(p) for p in published if expected_for(p.message)[1]}
     assert dead

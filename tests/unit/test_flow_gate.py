@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_shared_stream_provider._core.flow import BINDING_BUDGET, MIN_WINDOW, FlowGate, scaled_window
+from airflow_shared_stream_provider._core.flow import (
+    BINDING_BUDGET,
+    EVENT_BYTES_BUDGET,
+    MIN_BATCHES_IN_FLIGHT,
+    MIN_WINDOW,
+    FlowGate,
+    scaled_in_flight,
+    scaled_window,
+)
 
 
 @pytest.mark.parametrize(
@@ -48,3 +56,45 @@ def test_shrinking_never_lets_a_queue_exceed_the_configured_window() -> None:
     assert gate.credit() == 0  # watcher 0 lags 900 > the new window
     gate.consumed(0, 900)
     assert gate.credit() == gate.window == max(MIN_WINDOW, BINDING_BUDGET // 20)
+
+
+@pytest.mark.parametrize(
+    ("batch_bytes", "watchers", "expected"),
+    [
+        (0, 100, 20),  # per-message mode: messages in flight are not scaled
+        (65_536, 1, 20),
+        (65_536, 10, 20),  # 51 by the budget: the configured 20 binds
+        (65_536, 100, 5),
+        (262_144, 100, 2),  # 1 by the budget: the floor
+        (65_536, 1000, 2),
+        (65_536, 0, 20),
+    ],
+)
+def test_batches_in_flight_keep_unpersisted_event_bytes_within_the_budget(
+    batch_bytes: int, watchers: int, expected: int
+) -> None:
+    assert EVENT_BYTES_BUDGET == 32 * 1024 * 1024 and MIN_BATCHES_IN_FLIGHT == 2  # the table is for these
+    assert scaled_in_flight(20, batch_bytes, watchers) == expected
+
+
+def test_batch_credit_shrinks_as_watchers_join_and_widens_as_they_leave() -> None:
+    gate = FlowGate()
+    gate.window = 960
+    gate.max_in_flight = 20
+    gate.count_batches(65_536)
+    gate.register(0)
+    assert gate.credit() == 20
+    for token in range(1, 100):
+        gate.register(token)
+    assert gate.max_in_flight == 5
+    for _ in range(gate.credit()):
+        gate.next_seq()
+    assert gate.credit() == 0
+    gate.advanced(5)
+    for token in range(100):
+        gate.consumed(token, 5)
+    assert gate.credit() == 5
+    for token in range(1, 100):
+        gate.unregister(token)
+    assert gate.max_in_flight == 20
+    assert gate.credit() == 20
