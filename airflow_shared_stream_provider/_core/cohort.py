@@ -42,21 +42,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final
+
+from airflow_shared_stream_provider._core.state_store import StateStore, read_quietly, write_all
 
 log = logging.getLogger(__name__)
 
 DEFAULT_COHORT_SETTLE: Final = 3.0
 DEFAULT_COHORT_MAX_WAIT: Final = 60.0
 CONFIG_SECTION: Final = "shared_stream_provider"
-
-
-class StateStore(Protocol):
-    """What the cohort needs of an asset's state store (Airflow's ``AssetStateStoreAccessor``)."""
-
-    async def aget(self, key: str, default: Any = None) -> Any: ...
-
-    async def aset(self, key: str, value: Any) -> None: ...
 
 
 def cohort_limits() -> tuple[float, float]:
@@ -151,14 +145,8 @@ class Cohort:
         self._signal()
 
     async def _read_record(self, member: _Member, key: str) -> None:
-        try:
-            _, store = member.stores[0]
-            record = await store.aget(key, None)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the state store is a help, never a reason to fail a watcher
-            log.warning("Could not read the cohort record %s of %s", key, member.identity, exc_info=True)
-            record = None
+        _, store = member.stores[0]
+        record = await read_quietly(store, key, f"the cohort record {key} of {member.identity}")
         if isinstance(record, list):
             wanted = Counter(str(identity) for identity in record)
             member.record = wanted
@@ -227,16 +215,14 @@ class Cohort:
         record = sorted(members.elements())
         if Counter(record) == self.recorded:
             return
-        for member in list(self.members.values()):
-            if member.record == Counter(record):
-                continue  # its asset already holds this record (the usual restart): no write
-            for name, store in member.stores:
-                try:
-                    await store.aset(key, record)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.warning("Could not write the cohort record %s to asset %s", key, name, exc_info=True)
+        # Its asset already holds this record (the usual restart): no write.
+        writers = [member for member in list(self.members.values()) if member.record != Counter(record)]
+        await write_all(
+            (store, key, record, f"the cohort record {key} to asset {name}")
+            for member in writers
+            for name, store in member.stores
+        )
+        for member in writers:
             member.record = Counter(record)
         self.recorded = Counter(record)
 

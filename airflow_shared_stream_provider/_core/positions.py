@@ -38,7 +38,8 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from airflow_shared_stream_provider._core.cohort import CONFIG_SECTION, StateStore
+from airflow_shared_stream_provider._core.cohort import CONFIG_SECTION
+from airflow_shared_stream_provider._core.state_store import StateStore, read_quietly, write_quietly
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +149,11 @@ class WatcherPositions:
                 task.add_done_callback(self._farewells.discard)
 
     async def _read(self, member: PositionMember) -> None:
+        # Unreadable: a lost position costs duplicates (the group offset is the fallback).
         _, store = member.stores[0]
-        try:
-            member.stored = parse_record(await store.aget(member.key, None))
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a lost position costs duplicates (the group offset is the fallback)
-            log.warning("Could not read the positions %s of %s", member.key, member.identity, exc_info=True)
+        member.stored = parse_record(
+            await read_quietly(store, member.key, f"the positions {member.key} of {member.identity}")
+        )
 
     # -- producer side -------------------------------------------------------------------------
     def has_unplaced(self) -> bool:
@@ -204,14 +203,8 @@ class WatcherPositions:
     async def _write_one(self, member: PositionMember, positions: dict[str, int]) -> None:
         record = {"v": RECORD_VERSION, "positions": positions}
         _, store = member.stores[0]  # where _read looks (the first of its assets, by name)
-        try:
-            await store.aset(member.key, record)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.warning("Could not write the positions %s of %s", member.key, member.identity, exc_info=True)
-            return
-        member.written = positions
+        if await write_quietly(store, member.key, record, f"the positions {member.key} of {member.identity}"):
+            member.written = positions
 
     async def flush(self, positions_of: Callable[[PositionMember], dict[str, int] | None], timeout: float) -> None:
         """A last write (the stream closes): bounded, best effort."""

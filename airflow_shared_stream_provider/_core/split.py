@@ -35,7 +35,8 @@ import uuid
 from collections.abc import Callable, Hashable
 from typing import Any, Final
 
-from airflow_shared_stream_provider._core.cohort import CONFIG_SECTION, Cohort, StateStore
+from airflow_shared_stream_provider._core.cohort import CONFIG_SECTION, Cohort
+from airflow_shared_stream_provider._core.state_store import StateStore, read_quietly, write_all
 
 log = logging.getLogger(__name__)
 
@@ -107,15 +108,9 @@ class SplitWatch:
         """This stream's heartbeat, in each present member's own asset state store."""
         value = {"owner": self.owner, "at": self.clock()}
         stores = [member.stores[0] for member in list(self.cohort.members.values()) if member.stores]
-        await asyncio.gather(*(self._beat_one(name, store, value) for name, store in stores))
-
-    async def _beat_one(self, name: str, store: StateStore, value: dict[str, Any]) -> None:
-        try:
-            await store.aset(self.key, value)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.warning("Could not write the heartbeat of stream %s to asset %s", self.stream, name, exc_info=True)
+        await write_all(
+            (store, self.key, value, f"the heartbeat of stream {self.stream} to asset {name}") for name, store in stores
+        )
 
     async def check(self) -> dict[str, str]:
         """Expected-but-absent members heart-beating from elsewhere: ``identity -> owner``."""
@@ -129,13 +124,9 @@ class SplitWatch:
             names = assets_of(identity)
             if not names:
                 continue
-            try:
-                beat: Any = await self.accessor_for(names[0]).aget(self.key, None)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.debug("Could not read the heartbeat of %s", identity, exc_info=True)
-                continue
+            beat: Any = await read_quietly(
+                self.accessor_for(names[0]), self.key, f"the heartbeat of {identity}", level=logging.DEBUG
+            )
             if not isinstance(beat, dict):
                 continue
             owner, at = beat.get("owner"), beat.get("at")
