@@ -1,130 +1,146 @@
 """
-Several triggerers on a plain queue (SQS, moto): the consumers of two triggerers' streams compete for
+Several triggerers on a queue-like broker: the consumers of two triggerers' streams compete for
 messages, so a split loses messages for watchers (issue 15, part 2). Two real triggerers on one
-metadata DB, 20 watchers on one queue (tests/e2e/dags/e2e_many_watchers.py):
+metadata DB, 20 watchers (``kill_loop_w0`` .. ``kill_loop_w19``) on one shared stream
+(tests/e2e/dags/e2e_kill_loop_watchers.py; every order matches all of them), per broker
+(``loop_brokers.py``): SQS (moto server, one queue), Pub/Sub (Google's emulator, one
+subscription) and Service Bus (the test broker of ``tests/servicebus_broker``, one queue).
+
+Proven for each of the three brokers:
 
 1. **The recipe holds**: ``[triggerer] queues_enabled = True`` and the second triggerer started with
    ``--queues``: it never takes a watcher (asset watchers have no queue), so every watcher runs in
-   the first one; ``kill -9`` and restart of the first one: lost 0 per watcher, no split reported.
+   the first one; ``kill -9`` and restart of the first one: lost 0 per watcher (20 orders before the
+   kill, 20 published while the first triggerer is down), no split reported by either triggerer.
 2. **A split is detected loudly** (``_core/split.py``): the first triggerer forms the stream with all
    20 watchers (its cohort record lists them), is killed; the second one (``capacity`` 10) takes
    10 of them, the restarted first one the other 10. Both streams then log the ERROR
-   ``is SPLIT across triggerers``, naming the other triggerer's stream.
+   ``is SPLIT across triggerers`` about ``10 of its watchers``, naming the other triggerer's stream.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from order_events import envelopes_of  # example_dags (on sys.path: tests/e2e/conftest.py)
 
 from devkit.airflow_env import AirflowEnv
-from devkit.brokers import start_moto, stop_moto
 from devkit.demo import build_dags_folder, make_order
-from devkit.demo_streams import MOTO_KEY, SQS_REGION, SqsOrders
+from tests.e2e.loop_brokers import CONN_ID, Deliveries, LoopBroker, loop_broker
 
-pytestmark = [pytest.mark.e2e, pytest.mark.sqs, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 COUNT = 20
-WATCHERS = tuple(f"many_{index:03d}" for index in range(COUNT))
-DAG_ID = "many_watchers_consumer"
-CONN_ID = "aws_queue_triggerers"
-E2E_DAGS = Path(__file__).parent / "dags"
+WATCHERS = tuple(f"kill_loop_w{index}" for index in range(COUNT))
+DAG_ID = "kill_loop_consumer"
+DAG_FILE = Path(__file__).parent / "dags" / "e2e_kill_loop_watchers.py"
 AT = datetime(2026, 11, 25, tzinfo=UTC)
 SPLIT = "is SPLIT across triggerers"
+PUBLISH_RATE = 50.0  # messages per second: a burst, sent one by one
 
 
-@pytest.fixture
-def queue() -> Iterator[SqsOrders]:
-    handle = start_moto()
-    try:
-        yield SqsOrders(handle.address)
-    finally:
-        stop_moto(handle)
+@pytest.fixture(
+    params=[
+        pytest.param("sqs", marks=pytest.mark.sqs),
+        pytest.param("pubsub", marks=pytest.mark.pubsub),
+        pytest.param("servicebus", marks=pytest.mark.servicebus),
+    ]
+)
+def broker(request: pytest.FixtureRequest) -> Iterator[LoopBroker]:
+    with loop_broker(str(request.param)) as started:
+        yield started
 
 
-def queue_airflow(queue: SqsOrders, tmp_path_factory: pytest.TempPathFactory, **triggerer: object) -> AirflowEnv:
-    dags = build_dags_folder(tmp_path_factory.mktemp("queue-dags"), files=(), extra=[E2E_DAGS / "e2e_many_watchers.py"])
-    connection = {
-        "conn_type": "aws",
-        "login": MOTO_KEY,
-        "password": MOTO_KEY,
-        "extra": {"endpoint_url": queue.endpoint, "region_name": SQS_REGION},
-    }
+def queue_airflow(broker: LoopBroker, tmp_path_factory: pytest.TempPathFactory, **triggerer: object) -> AirflowEnv:
+    dags = build_dags_folder(tmp_path_factory.mktemp(f"queue-dags-{broker.name}"), files=(), extra=[DAG_FILE])
     return AirflowEnv(
         dags,
-        connections={CONN_ID: json.dumps(connection)},
-        env={"MANY_SQS_QUEUE_URL": queue.queue_url, "MANY_AWS_CONN_ID": CONN_ID, "MANY_WATCHERS": str(COUNT)},
+        connections={CONN_ID: json.dumps(broker.connection())},
+        env={
+            "KILL_LOOP_BROKER": broker.name,
+            "KILL_LOOP_WATCHERS": str(COUNT),
+            "KILL_LOOP_CONN_ID": CONN_ID,
+            "KILL_LOOP_SOURCE": broker.source,
+            **broker.component_env(),
+        },
         triggerer={**triggerer, "triggerer_health_check_threshold": 30},  # Airflow's default
         # Heartbeats every 5 s (default 30) so the split shows within a test's patience.
         config={"shared_stream_provider": {"heartbeat_interval": 5}},
-        home=tmp_path_factory.mktemp("queue-airflow-home"),
+        home=tmp_path_factory.mktemp(f"queue-airflow-home-{broker.name}"),
     )
 
 
-def deliveries(env: AirflowEnv) -> Counter[tuple[str, str]]:
-    found: Counter[tuple[str, str]] = Counter()
-    for event in env.asset_events():
-        if event["name"] in WATCHERS:
-            for envelope in envelopes_of(event["extra"]):
-                found[str(event["name"]), str(envelope["message_id"])] += 1
-    return found
-
-
-def missing(message_ids: list[str], found: Counter[tuple[str, str]]) -> list[tuple[str, str]]:
-    return [(w, m) for m in message_ids for w in WATCHERS if not found[w, m]]
-
-
-def publish(queue: SqsOrders, prefix: str, count: int) -> list[str]:
-    """The SQS message ids (the envelopes' ``message_id``) of ``count`` new orders."""
-    return list(queue.publish([make_order(f"{prefix}{i}", "eu", 1.0, AT) for i in range(count)]))
+def publish(broker: LoopBroker, prefix: str, count: int) -> list[str]:
+    """The envelope ``message_id`` of ``count`` new orders (every one matches every watcher)."""
+    before = len(broker.published_ids())
+    orders = [make_order(f"{prefix}{i}", "eu", 1.0, AT) for i in range(count)]
+    broker.publish(orders, rate=PUBLISH_RATE, stop=threading.Event())
+    ids = broker.published_ids()[before:]
+    assert len(ids) == count, f"the {broker.name} broker accepted {len(ids)} of {count} orders"
+    return ids
 
 
 def holders(env: AirflowEnv) -> Counter[int | None]:
     return Counter(job for _, watcher, job in env.running_watchers() if watcher in WATCHERS)
 
 
-def test_one_watcher_triggerer_recipe_loses_nothing(queue: SqsOrders, tmp_path_factory: pytest.TempPathFactory) -> None:
-    with queue_airflow(queue, tmp_path_factory, queues_enabled=True) as env:
+def split_line(log: str) -> str | None:
+    return next((line for line in log.splitlines() if SPLIT in line), None)
+
+
+def test_one_watcher_triggerer_recipe_loses_nothing(
+    broker: LoopBroker, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    with queue_airflow(broker, tmp_path_factory, queues_enabled=True) as env:
         env.wait_for_dags([DAG_ID])
         env.unpause([DAG_ID])
         env.wait_for_watchers(WATCHERS, timeout=300)
+        deliveries = Deliveries(env, WATCHERS)
         job_a = env.latest_triggerer_job_id()
         env.add_triggerer("triggerer-b", args=["--queues", "not_watchers"])
         env.wait_until(lambda: env.latest_triggerer_job_id() > job_a, timeout=120, what="triggerer B's job")
-        first = publish(queue, "recipe-a", 20)
-        env.wait_until(lambda: not missing(first, deliveries(env)), timeout=300, what="first orders", interval=2)
+        first = publish(broker, "recipe-a", 20)
+        env.wait_until(lambda: not deliveries.refresh().missing(first), timeout=300, what="first orders", interval=2)
         previous = env.restart_triggerer(kill=True)
-        second = publish(queue, "recipe-b", 20)  # waits in the queue while A is down
+        second = publish(broker, "recipe-b", 20)  # waits in the broker while A is down
         env.wait_for_watchers(WATCHERS, newer_than_job=previous, timeout=300)
         try:
-            env.wait_until(lambda: not missing(second, deliveries(env)), timeout=300, what="second orders", interval=2)
+            env.wait_until(
+                lambda: not deliveries.refresh().missing(second), timeout=300, what="second orders", interval=2
+            )
         except Exception:
-            lost = missing(second, deliveries(env))
-            pytest.fail(f"lost {len(lost)} (watcher, order) pairs, e.g. {lost[:5]}")
+            lost = deliveries.refresh().missing(second)
+            pytest.fail(
+                f"{broker.name}: lost {sum(lost.values())} (watcher, order) pairs; per watcher: {lost}; "
+                f"broker: {broker.diagnostics()}"
+            )
         assert set(holders(env)) == {env.latest_triggerer_job_id()}, "triggerer B must never hold a watcher"
-        found = deliveries(env)
-        dups = sum(found[w, o] - 1 for o in first + second for w in WATCHERS)
+        counts = deliveries.refresh().counts
+        dups = sum(counts[w, o] - 1 for o in first + second for w in WATCHERS)
         logs = env.components["triggerer"].log_text() + env.components["triggerer-b"].log_text()
         assert SPLIT not in logs
-        print(f"\nQUEUE RECIPE: watchers={COUNT} orders={len(first) + len(second)} kills=1 lost=0 dup={dups}")
+        print(
+            f"\nQUEUE RECIPE {broker.name}: watchers={COUNT} orders={len(first) + len(second)} kills=1 "
+            f"lost=0 dup={dups}"
+        )
 
 
 def test_a_split_across_two_triggerers_is_reported_loudly(
-    queue: SqsOrders, tmp_path_factory: pytest.TempPathFactory
+    broker: LoopBroker, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    with queue_airflow(queue, tmp_path_factory) as env:
+    with queue_airflow(broker, tmp_path_factory) as env:
         env.wait_for_dags([DAG_ID])
         env.unpause([DAG_ID])
         env.wait_for_watchers(WATCHERS, timeout=300)
-        first = publish(queue, "split-a", 5)
+        deliveries = Deliveries(env, WATCHERS)
+        first = publish(broker, "split-a", 5)
         # The stream forms with all 20 (its cohort record in every watcher's asset lists them).
-        env.wait_until(lambda: not missing(first, deliveries(env)), timeout=300, what="first orders", interval=2)
+        env.wait_until(lambda: not deliveries.refresh().missing(first), timeout=300, what="first orders", interval=2)
         job_a = env.latest_triggerer_job_id()
         env.kill("triggerer")
         env.add_triggerer("triggerer-b", {"capacity": 10})
@@ -136,15 +152,22 @@ def test_a_split_across_two_triggerers_is_reported_loudly(
         env.wait_until(
             lambda: holders(env) == Counter({job_a2: 10, job_b: 10}), timeout=240, what="10 watchers on each"
         )
+
+        def restarted_a_log() -> str:
+            return env.components["triggerer"].log_text().split("===== devkit: start #")[-1]
+
         env.wait_until(
-            lambda: (
-                SPLIT in env.components["triggerer-b"].log_text()
-                and SPLIT in env.components["triggerer"].log_text().split("===== devkit: start #")[-1]
-            ),
+            lambda: SPLIT in env.components["triggerer-b"].log_text() and SPLIT in restarted_a_log(),
             timeout=180,
             what="both triggerers reporting the split",
             interval=2,
         )
-        line = next(line for line in env.components["triggerer-b"].log_text().splitlines() if SPLIT in line)
-        assert "10 of its watchers" in line, line
-        print(f"\nSPLIT DETECTED (jobs {job_a} -> {job_a2} and {job_b}): {line[:400]}")
+        line_b = split_line(env.components["triggerer-b"].log_text())
+        line_a = split_line(restarted_a_log())
+        for line in (line_b, line_a):
+            assert line is not None
+            assert "10 of its watchers" in line, line
+            assert "error" in line.lower(), line
+        assert line_b is not None and line_a is not None
+        print(f"\nSPLIT DETECTED {broker.name} (jobs {job_a} -> {job_a2} and {job_b}): B: {line_b[:400]}")
+        print(f"SPLIT DETECTED {broker.name} (restarted A): {line_a[:400]}")
