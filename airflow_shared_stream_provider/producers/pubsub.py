@@ -169,6 +169,8 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
             dead_letter_topic=self.dead_letter_topic_path,
             counters=self.counters,
             log=self.log,
+            where=f"gcp_conn_id={settings.gcp_conn_id!r}; "
+            + (f"emulator {connection.emulator_host}" if connection.emulator_host else "pubsub.googleapis.com"),
         )
         self.subscription_ack_deadline = info.ack_deadline_seconds
         self.exactly_once = info.exactly_once

@@ -41,12 +41,17 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from airflow_shared_stream_provider._core.connections import GcpConnection, load_gcp_connection
-from airflow_shared_stream_provider._core.errors import SharedStreamConfigError, missing_dependency
+from airflow_shared_stream_provider._core.errors import (
+    BrokerUnavailableError,
+    SharedStreamConfigError,
+    missing_dependency,
+)
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 
 try:
     import grpc
     from google.api_core import exceptions as gexc
+    from google.api_core.retry import AsyncRetry, if_exception_type
     from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
     from google.pubsub_v1.services.publisher.transports.grpc_asyncio import PublisherGrpcAsyncIOTransport
     from google.pubsub_v1.services.subscriber.transports.grpc_asyncio import SubscriberGrpcAsyncIOTransport
@@ -55,8 +60,11 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 DEFAULT_SUBSCRIPTION_DEADLINE: Final = 10
 EOD_FAILURE_REASON: Final = "EXACTLY_ONCE_ACKID_FAILURE"
+# Seconds the subscription check at start may take, retries included (google-api-core's default
+# for GetSubscription is 60 s, after which its RetryError named neither subscription nor connection).
+CONNECT_TIMEOUT: Final = 20.0
 # Errors worth retrying for unary calls (the server is busy, restarting or briefly unreachable).
-TRANSIENT: Final[tuple[type[BaseException], ...]] = (
+TRANSIENT: Final[tuple[type[Exception], ...]] = (
     gexc.ServiceUnavailable,
     gexc.InternalServerError,
     gexc.Aborted,
@@ -64,6 +72,9 @@ TRANSIENT: Final[tuple[type[BaseException], ...]] = (
     gexc.ResourceExhausted,
     gexc.Unknown,
 )
+
+# What the subscription check raises when the endpoint never answered (retries exhausted included).
+UNREACHABLE: Final[tuple[type[Exception], ...]] = (gexc.RetryError, *TRANSIENT)
 
 load_connection: Final = load_gcp_connection
 """The subscription's ``google_cloud_platform`` connection and credentials (see :mod:`._core.connections`)."""
@@ -125,10 +136,31 @@ async def inspect_subscription(
     dead_letter_topic: str | None,
     counters: StreamCounters,
     log: logging.Logger,
+    where: str = "",
 ) -> SubscriptionInfo:
-    """Check the subscription exists and learn its ack deadline, exactly-once and dead-letter policy."""
+    """
+    Check the subscription exists and learn its ack deadline, exactly-once and dead-letter policy.
+    ``where`` (connection id and endpoint) goes into the errors.
+
+    An endpoint that does not answer within :data:`CONNECT_TIMEOUT` (google-api-core retries
+    ``GetSubscription`` meanwhile) is a :class:`BrokerUnavailableError`: the group fails, the
+    triggerer re-creates the triggers, nothing was received so nothing is lost.
+    """
     try:
-        subscription = await client.get_subscription(request={"subscription": path}, timeout=30)
+        subscription = await client.get_subscription(
+            request={"subscription": path},
+            retry=AsyncRetry(
+                predicate=if_exception_type(*TRANSIENT), initial=0.5, maximum=4.0, timeout=CONNECT_TIMEOUT
+            ),
+            timeout=CONNECT_TIMEOUT / 2,
+        )
+    except UNREACHABLE as exc:
+        error = BrokerUnavailableError(
+            f"Pub/Sub subscription {path!r}: the endpoint did not answer within {CONNECT_TIMEOUT:.0f} s "
+            f"({type(exc).__name__}: {exc}) ({where}); the stream resumes when the trigger is re-created "
+            "and Pub/Sub answers again"
+        )
+        raise error from exc
     except gexc.NotFound:
         raise SharedStreamConfigError(f"Pub/Sub subscription {path!r} does not exist") from None
     except gexc.PermissionDenied:

@@ -96,6 +96,7 @@ from airflow_shared_stream_provider._core.dispositions import Disposition
 from airflow_shared_stream_provider._core.envelope import StreamMessage
 from airflow_shared_stream_provider._core.errors import (
     BrokerHandleClosedError,
+    BrokerUnavailableError,
     SharedStreamConfigError,
     missing_dependency,
 )
@@ -227,6 +228,17 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         self._client = self._make_client(info)
         return where
 
+    def _open_error(self, exc: errors.ServiceBusError, where: str) -> Exception | None:
+        """What a failure to open a receiver means: a setting, an unreachable broker, or None (raise as is)."""
+        error = self._config_error(exc, where)
+        if error is None and isinstance(exc, errors.ServiceBusConnectionError):
+            # The SDK has retried already (retry_total); nothing was received, so nothing is lost.
+            return BrokerUnavailableError(
+                f"{where}: the broker could not be reached ({type(exc).__name__}: {exc}); the stream resumes "
+                "when the trigger is re-created and Service Bus answers again"
+            )
+        return error
+
     def _config_error(self, exc: errors.ServiceBusError, where: str) -> SharedStreamConfigError | None:
         """The configuration error ``exc`` means, if any (else it is the broker's trouble)."""
         if isinstance(
@@ -255,7 +267,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         try:
             await receiver.__aenter__()
         except errors.ServiceBusError as exc:
-            error = self._config_error(exc, where)
+            error = self._open_error(exc, where)
             if error is not None:
                 raise error from exc
             raise
@@ -381,6 +393,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                 self.entity_path,
                 timeout=self.close_timeout,
             )
+            # Not _open_error: the session pool retries a connection error (servicebus_sessions).
             error = self._config_error(exc, where) if isinstance(exc, errors.ServiceBusError) else None
             if error is not None:
                 raise error from exc

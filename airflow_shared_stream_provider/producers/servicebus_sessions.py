@@ -39,7 +39,7 @@ from typing import Final, Literal
 
 from airflow_shared_stream_provider._core.credit import CreditPool
 from airflow_shared_stream_provider._core.dispositions import Decision, Disposition
-from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
+from airflow_shared_stream_provider._core.errors import BrokerUnavailableError, SharedStreamConfigError
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.producer import Decided
 from airflow_shared_stream_provider._core.tasks import best_effort
@@ -437,6 +437,12 @@ class SessionPool:
             self.counters.add("api_calls")
             self._accept_errors += 1
             if self._accept_errors >= MAX_ACCEPT_ERRORS:
+                if isinstance(exc, errors.ServiceBusConnectionError):
+                    raise BrokerUnavailableError(
+                        f"Service Bus entity {self.entity_path!r}: {MAX_ACCEPT_ERRORS} session accepts in a row "
+                        f"could not reach the broker ({type(exc).__name__}: {exc}); the stream resumes when the "
+                        "trigger is re-created and Service Bus answers again"
+                    ) from exc
                 raise
             delay = min(ACCEPT_ERROR_BACKOFF_MAX, ACCEPT_ERROR_BACKOFF * 2 ** (self._accept_errors - 1))
             self.log.warning(

@@ -52,7 +52,7 @@ from azure.servicebus import ServiceBusMessage
 from azure.servicebus.aio import ServiceBusClient, ServiceBusSender
 from google.api_core import exceptions as gexc
 
-from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
+from airflow_shared_stream_provider._core.errors import BrokerUnavailableError, SharedStreamConfigError
 from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
 from airflow_shared_stream_provider.triggers.servicebus import ServiceBusSharedStreamTrigger
 from devkit.brokers import BrokerProcess, BrokerStartError, pubsub_emulator_launcher
@@ -253,12 +253,13 @@ async def test_pubsub_unreachable_gives_one_clear_error(
         publisher, subscriber = direct_clients(pubsub_faults.direct)
         adapter = PubSubAdapter(publisher, subscriber, suffix=uuid.uuid4().hex[:12])
         try:
-            # Today: google-api-core's default retry of GetSubscription for 60 s, then its RetryError,
-            # which names neither the subscription nor the connection (see docs/reliability.md).
+            # The subscription check retries for CONNECT_TIMEOUT (20 s), then fails the group with
+            # a BrokerUnavailableError that names the subscription and the endpoint.
             attempts, after, error = await assert_one_clear_error(
                 dead,
                 adapter.make_trigger,
-                mentions=("failed to connect",),
+                mentions=(adapter.subscription, f"emulator {dead.address}", "did not answer"),
+                error_type=BrokerUnavailableError,
                 error_timeout=PUBSUB_ERROR_TIMEOUT,
                 max_attempts=PUBSUB_MAX_CONNECT_ATTEMPTS,
             )
@@ -268,8 +269,8 @@ async def test_pubsub_unreachable_gives_one_clear_error(
     print(f"FAULT pubsub/unreachable: one error after {after:.1f}s and {attempts} connection attempt(s): {error}")
 
 
-PUBSUB_ERROR_TIMEOUT = 120.0
-"""The Pub/Sub client retries an unreachable endpoint for 60 s before the error surfaces."""
+PUBSUB_ERROR_TIMEOUT = 60.0
+"""The producer's subscription check gives an unreachable endpoint 20 s (CONNECT_TIMEOUT), retries included."""
 PUBSUB_MAX_CONNECT_ATTEMPTS = 16
 """gRPC reconnects with its own backoff (1 s, x1.6, jittered): 8 attempts measured in 60 s."""
 
@@ -431,9 +432,13 @@ async def test_servicebus_unreachable_gives_one_clear_error(
         dead.refuse(float("inf"))
         conn_id = sb_connection(monkeypatch, "servicebus_faults_dead", dead.port)
         target = ServiceBusTarget(servicebus_faults, conn_id, queue)
-        # Today: the SDK's ServiceBusConnectionError as it is: it names neither the entity nor the connection.
+        # The SDK's ServiceBusConnectionError (after its own retries), as a BrokerUnavailableError
+        # that names the entity and the connection.
         attempts, after, error = await assert_one_clear_error(
-            dead, target.make_trigger, mentions=("ServiceBusConnectionError", "Failed to initiate the connection")
+            dead,
+            target.make_trigger,
+            mentions=("ServiceBusConnectionError", queue, conn_id, "could not be reached"),
+            error_type=BrokerUnavailableError,
         )
     print(f"FAULT servicebus/unreachable: one error after {after:.1f}s and {attempts} connection attempt(s): {error}")
 
