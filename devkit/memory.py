@@ -46,6 +46,7 @@ class MemoryBroker:
     dead_letters: list[tuple[str, str]] = field(default_factory=list)
     actions: list[tuple[str, str]] = field(default_factory=list)
     producers: list[Any] = field(default_factory=list)  # every producer opened on this broker
+    close_delay: float = 0.0  # seconds a producer's close takes (a broker slow to shut down)
     _arrived: asyncio.Event | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -157,6 +158,8 @@ class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, 
 
     async def _close(self) -> None:
         broker = memory_broker(self.settings.broker_name)
+        if broker.close_delay:
+            await asyncio.sleep(broker.close_delay)
         # Abandoned in-flight messages come back, as a broker's lease expiry would bring them.
         for raw in list(broker.in_flight.values()):
             broker.requeue(raw)

@@ -49,6 +49,18 @@ _JSON_WORST_CASE_GROWTH: Final = 6
 _ENVELOPE_OVERHEAD: Final = 512
 
 
+# The mark a watcher puts on a message while the runner takes its event (``_core/trigger.py``),
+# left in place when the event was never recorded. A message whose only failures are such marks
+# is handed back without counting a delivery attempt (Disposition.HOLD): nothing judged it.
+UNRECORDED: Final = "watcher stopped before the triggerer recorded its event"
+
+
+def unrecorded_only(message: StreamMessage) -> bool:
+    """True if every failure recorded on ``message`` is an :data:`UNRECORDED` mark (and there is one)."""
+    failures = message.failures
+    return failures is not None and bool(failures) and all(failure == UNRECORDED for failure in failures)
+
+
 class StreamMessage:
     """
     The raw event broadcast to every watcher of one shared stream.

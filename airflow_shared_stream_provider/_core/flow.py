@@ -82,6 +82,9 @@ class FlowGate:
         self._configured_in_flight = 10_000
         self._max_in_flight = 10_000
         self._batch_bytes = 0
+        # Set when a watcher finds the manager stopping this stream (``_core/binding.py``): no
+        # credit until the next producer binds the gate.
+        self.frozen = False
         self._produced = 0
         self._advanced = 0
         self._consumed: dict[int, int] = {}
@@ -146,8 +149,17 @@ class FlowGate:
         self._produced += 1
         return self._produced
 
+    def freeze(self) -> None:
+        """No more credit: the stream is being stopped (what is read now would only come back)."""
+        self.frozen = True
+
+    def unfreeze(self) -> None:
+        self.frozen = False
+
     def credit(self) -> int:
-        """How many messages may be yielded now without waiting (0 when blocked)."""
+        """How many messages may be yielded now without waiting (0 when blocked or frozen)."""
+        if self.frozen:
+            return 0
         window = self._window
         by_lag = window - (self._produced - self._floor)
         if by_lag <= 0:

@@ -16,14 +16,20 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Final, Generic, TypeVar
 
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
 from airflow_shared_stream_provider._core.batching import BATCH_OVERHEAD, Batcher, MessageBatch, batched_stream
 from airflow_shared_stream_provider._core.cohort import cohort_limits, cohort_record_enabled, record_key
 from airflow_shared_stream_provider._core.dispositions import COMMIT_DECISION, Decision, Disposition, decide
-from airflow_shared_stream_provider._core.envelope import BrokerName, DeliveryLike, StreamMessage, build_envelope
+from airflow_shared_stream_provider._core.envelope import (
+    BrokerName,
+    DeliveryLike,
+    StreamMessage,
+    build_envelope,
+    unrecorded_only,
+)
 from airflow_shared_stream_provider._core.flow import FlowGate, gates
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 from airflow_shared_stream_provider._core.release import ENTRIES_PER_MESSAGE, DeferredRelease
@@ -62,6 +68,11 @@ class Decided(Generic[DeliveryT]):
         self.delivery = delivery
         self.decision = decision
         self.disposition: Disposition = decision.disposition
+
+
+# A message whose only failures are UNRECORDED marks (its events were dropped by a stopping
+# triggerer): handed back like one nobody saw, without counting a delivery attempt.
+UNRECORDED_DECISION: Final = Decision(Disposition.HOLD, "its events were not recorded (the triggerer was stopping)")
 
 
 def message_outcome(outcome: AdvanceOutcome, message: StreamMessage) -> AdvanceOutcome:
@@ -212,6 +223,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             # In batch mode the gate counts batches (what the watchers' queues hold).
             gate.max_in_flight = -(-self.settings.max_in_flight // self.batch_size)
             gate.count_batches(self.settings.max_payload_bytes if self.batching else 0)
+            gate.unfreeze()  # a new group: a stop seen by the previous one is over
             self._fired_reported = gate.fired  # the gate may outlive an earlier producer
             self._gate = gate
         return self._gate
@@ -358,6 +370,11 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             ):
                 decided.append(Decided(delivery, COMMIT_DECISION))
                 clean += 1
+                continue
+            if not outcome.failed and not outcome.rejected and not message.rejections and unrecorded_only(message):
+                # Its events were never recorded (a triggerer stopping): nothing judged the message,
+                # so it goes back without counting a delivery attempt, like one nobody saw.
+                decided.append(Decided(delivery, UNRECORDED_DECISION))
                 continue
             decision = decide(
                 message_outcome(outcome, message),

@@ -37,8 +37,9 @@ from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow.triggers.shared_stream import reject_shared_stream_event
 
 from airflow_shared_stream_provider._core.batching import MessageBatch
+from airflow_shared_stream_provider._core.binding import current_window, was_bound
 from airflow_shared_stream_provider._core.cohort import cohort_record_enabled, identity_of, record_key, stores_of
-from airflow_shared_stream_provider._core.envelope import OversizePolicy, StreamMessage
+from airflow_shared_stream_provider._core.envelope import UNRECORDED, OversizePolicy, StreamMessage
 from airflow_shared_stream_provider._core.errors import RejectMessage, SharedStreamConfigError
 from airflow_shared_stream_provider._core.events import StreamTriggerEvent
 from airflow_shared_stream_provider._core.filtering import (
@@ -48,7 +49,7 @@ from airflow_shared_stream_provider._core.filtering import (
     validate_filter_function,
     validate_match,
 )
-from airflow_shared_stream_provider._core.flow import gates
+from airflow_shared_stream_provider._core.flow import FlowGate, gates
 from airflow_shared_stream_provider._core.positions import position_key
 from airflow_shared_stream_provider._core.settings import StreamSettings
 
@@ -228,8 +229,12 @@ class SharedStreamTrigger(BaseEventTrigger):
                         # Until the runner asks for the next item its hand-over of this event is
                         # unfinished (see _unrecorded): marked failed meanwhile.
                         raw.fail(UNRECORDED, culprit=False)
+                        window = current_window()
                         yield self._note_fired(event) if notes_fired else event
-                        _recorded(raw)
+                        if was_bound(window):
+                            _recorded(raw)
+                        else:  # keep the mark and stop the intake: see _core/binding.py
+                            _stopping(gate, key)
                 elif isinstance(raw, MessageBatch):
                     gate.consumed(token, raw.seq)
                     batch_event = self._filter_batch(raw, member)
@@ -239,9 +244,13 @@ class SharedStreamTrigger(BaseEventTrigger):
                         # decided per message).
                         for message in raw.messages:
                             message.fail(UNRECORDED, culprit=False)
+                        window = current_window()
                         yield self._note_fired(batch_event) if notes_fired else batch_event
-                        for message in raw.messages:
-                            _recorded(message)
+                        if was_bound(window):
+                            for message in raw.messages:
+                                _recorded(message)
+                        else:  # keep the marks and stop the intake: see _core/binding.py
+                            _stopping(gate, key)
                 elif isinstance(raw, TriggerEvent):  # a flush marker from _with_flush_markers
                     yield raw
                 else:
@@ -401,12 +410,28 @@ class SharedStreamTrigger(BaseEventTrigger):
 # soak, bench/soak.py: SQS and Pub/Sub lost what fired in the seconds after a SIGTERM). So the mark
 # is put on the message before the yield and removed when the runner asks for the next item, which
 # it does only after binding the event; a watcher stopped in between leaves the mark, and the
-# producer counts it as a failure (``message_outcome``): the message is redelivered.
-UNRECORDED: Final = "watcher stopped before the triggerer recorded its event"
+# producer counts it as a failure (``message_outcome``): the message is redelivered. The mark also
+# stays when the runner took the event but bound it to nothing (a group stopping in the runner's
+# shutdown, ``_core/binding.py``).
+# (UNRECORDED itself lives in _core/envelope.py, next to the producer's use of it.)
+
+
+def _stopping(gate: FlowGate, key: Hashable) -> None:
+    """The runner took an event and bound it to nothing: its manager is stopping this stream."""
+    if not gate.frozen:
+        log.warning(
+            "Shared stream %s is being stopped by the triggerer while it still delivers: no further "
+            "messages are read, and those whose events were not recorded are handed back to the broker",
+            key,
+        )
+        gate.freeze()
 
 
 def _recorded(message: StreamMessage) -> None:
-    """Take back the mark of :data:`UNRECORDED` (the runner bound the event, it is in its queue)."""
+    """
+    Take back the mark of :data:`UNRECORDED` (the runner bound the event, it is in its queue).
+    Not called when the event bound to nothing (``_core/binding.py``): the message is redelivered.
+    """
     failures = message.failures
     if failures is not None:
         failures.remove(UNRECORDED)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
+from devkit.memory import MemorySharedStreamTrigger, brokers, memory_broker
 from devkit.runner import RunnerSim, wait_until
 
 
@@ -108,6 +109,65 @@ class ContractSuite:
                 what="all 4 orders at both watchers after the stop",
             )
             await wait_until_settled(adapter, timeout=self.settle_timeout)
+
+    async def test_a_graceful_stop_in_airflows_order_redelivers_what_was_not_persisted(
+        self, adapter: BrokerAdapter
+    ) -> None:
+        """
+        Airflow 3.3.2's runner on SIGTERM stops syncing with its supervisor (nothing fired from then
+        on is persisted), calls ``stop_all()``, which empties the manager's group map and stops the
+        groups one after the other, and only then cancels the triggers. Here a slow-closing memory
+        stream is stopped first; meanwhile this broker's stream keeps delivering, and its watchers'
+        events bind to nothing. Every message must still reach both watchers, none dead-lettered.
+        (Found by the soak: SQS, Pub/Sub and Service Bus lost what fired during a graceful stop.)
+        """
+        slow = memory_broker(f"contract-slow-close-{id(adapter)}")
+        slow.close_delay = 1.5
+        count = 40
+        all_orders = orders(count)
+        published: list[int] = []
+
+        async def publisher() -> None:
+            for index in range(count):
+                await adapter.publish([all_orders[index]])
+                published.append(index)
+                await asyncio.sleep(0.05)
+
+        try:
+            manager = SharedStreamManager(ack_timeout=60)
+            runner = RunnerSim(manager, confirm_interval=0.05)
+            await runner.__aenter__()
+            runner.add(9, MemorySharedStreamTrigger(broker_name=slow.name))  # first in stop_all's order
+            runner.add(1, adapter.make_trigger())
+            runner.add(2, adapter.make_trigger())
+            sending = asyncio.create_task(publisher())
+            await wait_until(lambda: len(published) >= 15, timeout=self.settle_timeout, what="15 published")
+            assert runner._persister is not None
+            runner._persister.cancel()  # SIGTERM: no more syncs, nothing more is persisted
+            await asyncio.sleep(0.3)
+            await manager.stop_all()
+            for trigger_id in (9, 1, 2):
+                await runner.remove(trigger_id)
+            fired_unbound = sum(1 for item in runner.pending if item.seq is None)
+            await sending
+        finally:
+            brokers.pop(slow.name, None)
+        manager = SharedStreamManager(ack_timeout=60)
+        async with RunnerSim(manager, confirm_interval=0.05) as second:
+            second.add(1, adapter.make_trigger())
+            second.add(2, adapter.make_trigger())
+
+            def seen(trigger_id: int) -> set[int]:
+                return {p["body"]["order_id"] for p in runner.persisted[trigger_id] + second.persisted[trigger_id]}
+
+            await wait_until(
+                lambda: all(seen(t) >= set(range(count)) for t in (1, 2)),
+                timeout=max(self.settle_timeout, 90),
+                what=f"every order at both watchers after the stop ({fired_unbound} events bound to nothing)",
+            )
+            await wait_until_settled(adapter, timeout=self.settle_timeout)
+        assert fired_unbound, "nothing fired during the stop: no case made"
+        assert not await adapter.dead_lettered()
 
     async def test_nothing_is_settled_before_persistence_and_a_crash_redelivers(self, adapter: BrokerAdapter) -> None:
         await adapter.publish(orders(12))
