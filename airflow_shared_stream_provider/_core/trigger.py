@@ -422,9 +422,23 @@ def _stopping(gate: FlowGate, key: Hashable) -> None:
         log.warning(
             "Shared stream %s is being stopped by the triggerer while it still delivers: no further "
             "messages are read, and those whose events were not recorded are handed back to the broker",
-            key,
+            _stream_name(key),
         )
         gate.freeze()
+
+
+# The settings that name a stream's source, in the order they are looked for in its key.
+_SOURCE_FIELDS: Final = ("topics", "queue_url", "subscription", "queue_name", "topic_name")
+
+
+def _stream_name(key: Hashable) -> str:
+    """``kafka ['orders']`` for a key of ours (namespace, broker, settings pairs); else the key itself."""
+    if isinstance(key, tuple) and len(key) == 3 and isinstance(key[2], tuple):
+        fields = dict(pair for pair in key[2] if isinstance(pair, tuple) and len(pair) == 2)
+        source = next((fields[name] for name in _SOURCE_FIELDS if fields.get(name)), None)
+        if source is not None:
+            return f"{key[1]} {source!r}"
+    return repr(key)
 
 
 def _recorded(message: StreamMessage) -> None:
