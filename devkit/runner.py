@@ -142,6 +142,25 @@ class RunnerSim:
             await asyncio.sleep(self.confirm_interval)
             self.persist()
 
+    async def stop_persisting(self) -> None:
+        """The supervisor syncs no more (a SIGTERM): nothing queued from now on is persisted."""
+        if self._persister is not None:
+            self._persister.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._persister
+            self._persister = None
+
+    async def stop_in_airflow_order(self) -> None:
+        """
+        Airflow 3.3.2's runner shutdown: no more persistence, ``manager.stop_all()`` (which empties
+        its group map, then stops the groups one by one), and only then the trigger tasks cancelled.
+        :meth:`stop` cancels the triggers first, which stops each group as its last watcher leaves.
+        """
+        await self.stop_persisting()
+        await self.manager.stop_all()
+        for trigger_id in list(self._tasks):
+            await self.remove(trigger_id)
+
     async def stop(self) -> None:
         if self._persister is not None:
             self._persister.cancel()

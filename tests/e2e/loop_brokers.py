@@ -261,6 +261,17 @@ BROKERS: dict[str, type[LoopBroker]] = {
 }
 
 
+def dag_env(broker: LoopBroker, watchers: int) -> dict[str, str]:
+    """The environment of ``dags/e2e_kill_loop_watchers.py``: ``watchers`` watchers on ``broker``'s stream."""
+    return {
+        "KILL_LOOP_BROKER": broker.name,
+        "KILL_LOOP_WATCHERS": str(watchers),
+        "KILL_LOOP_CONN_ID": CONN_ID,
+        "KILL_LOOP_SOURCE": broker.source,
+        **broker.component_env(),
+    }
+
+
 @contextlib.contextmanager
 def loop_broker(name: str) -> Iterator[LoopBroker]:
     broker = BROKERS[name]()

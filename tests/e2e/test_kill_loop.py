@@ -48,7 +48,7 @@ import pytest
 from devkit.airflow_env import AirflowEnv
 from devkit.demo import build_dags_folder, make_order
 from devkit.demo_types import OrderMessage
-from tests.e2e.loop_brokers import CONN_ID, Deliveries, LoopBroker, loop_broker
+from tests.e2e.loop_brokers import CONN_ID, Deliveries, LoopBroker, dag_env, loop_broker
 
 pytestmark = [pytest.mark.e2e]
 
@@ -125,13 +125,7 @@ def kill_loop_airflow(broker: LoopBroker, tmp_path_factory: pytest.TempPathFacto
     return AirflowEnv(
         dags,
         connections={CONN_ID: json.dumps(broker.connection())},
-        env={
-            "KILL_LOOP_BROKER": broker.name,
-            "KILL_LOOP_WATCHERS": str(WATCHER_COUNT),
-            "KILL_LOOP_CONN_ID": CONN_ID,
-            "KILL_LOOP_SOURCE": broker.source,
-            **broker.component_env(),
-        },
+        env=dag_env(broker, WATCHER_COUNT),
         home=tmp_path_factory.mktemp(f"kill-loop-airflow-home-{broker.name}"),
         parallelism=2,
     )  # [triggerer] left at Airflow's defaults (devkit only shortens heartbeats / the health check)

@@ -31,7 +31,7 @@ import pytest
 
 from devkit.airflow_env import AirflowEnv
 from devkit.demo import build_dags_folder, make_order
-from tests.e2e.loop_brokers import CONN_ID, Deliveries, LoopBroker, loop_broker
+from tests.e2e.loop_brokers import CONN_ID, Deliveries, LoopBroker, dag_env, loop_broker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -61,13 +61,7 @@ def queue_airflow(broker: LoopBroker, tmp_path_factory: pytest.TempPathFactory, 
     return AirflowEnv(
         dags,
         connections={CONN_ID: json.dumps(broker.connection())},
-        env={
-            "KILL_LOOP_BROKER": broker.name,
-            "KILL_LOOP_WATCHERS": str(COUNT),
-            "KILL_LOOP_CONN_ID": CONN_ID,
-            "KILL_LOOP_SOURCE": broker.source,
-            **broker.component_env(),
-        },
+        env=dag_env(broker, COUNT),
         triggerer={**triggerer, "triggerer_health_check_threshold": 30},  # Airflow's default
         # Heartbeats every 5 s (default 30) so the split shows within a test's patience.
         config={"shared_stream_provider": {"heartbeat_interval": 5}},

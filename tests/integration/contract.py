@@ -142,12 +142,9 @@ class ContractSuite:
             runner.add(2, adapter.make_trigger())
             sending = asyncio.create_task(publisher())
             await wait_until(lambda: len(published) >= 15, timeout=self.settle_timeout, what="15 published")
-            assert runner._persister is not None
-            runner._persister.cancel()  # SIGTERM: no more syncs, nothing more is persisted
+            await runner.stop_persisting()  # SIGTERM: no more syncs, nothing more is persisted
             await asyncio.sleep(0.3)
-            await manager.stop_all()
-            for trigger_id in (9, 1, 2):
-                await runner.remove(trigger_id)
+            await runner.stop_in_airflow_order()
             fired_unbound = sum(1 for item in runner.pending if item.seq is None)
             await sending
         finally:

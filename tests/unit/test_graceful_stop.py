@@ -41,13 +41,6 @@ def make_broker() -> Any:
         brokers.pop(name, None)
 
 
-async def stop_like_airflow_3_3(runner: RunnerSim, manager: SharedStreamManager, trigger_ids: list[int]) -> None:
-    """The runner's shutdown: no more persistence, ``stop_all()``, then the trigger tasks cancelled."""
-    await manager.stop_all()
-    for trigger_id in trigger_ids:
-        await runner.remove(trigger_id)
-
-
 @pytest.mark.parametrize("batch_size", [1, 10])
 async def test_events_fired_while_another_group_stops_first_are_redelivered(make_broker: Any, batch_size: int) -> None:
     slow, busy = make_broker(close_delay=1.0), make_broker()
@@ -65,8 +58,7 @@ async def test_events_fired_while_another_group_stops_first_are_redelivered(make
         busy.publish(json.dumps({"order_id": index}), lane=f"order-{index}")
     await wait_until(lambda: runner.count(2) + runner.count(3) >= 2 * (1 if batch_size > 1 else 5), timeout=10)
     await wait_until(lambda: len(busy.committed) == 5, timeout=10, what="the first 5 committed")
-    assert runner._persister is not None
-    runner._persister.cancel()  # SIGTERM: the runner no longer syncs; nothing more is persisted
+    await runner.stop_persisting()  # SIGTERM: the runner no longer syncs; nothing more is persisted
 
     async def keep_publishing() -> None:
         for index in range(5, 25):
@@ -75,7 +67,7 @@ async def test_events_fired_while_another_group_stops_first_are_redelivered(make
 
     sending = asyncio.create_task(keep_publishing())
     await asyncio.sleep(0.2)
-    await stop_like_airflow_3_3(runner, manager, [1, 2, 3])
+    await runner.stop_in_airflow_order()
     await sending
     await asyncio.sleep(0.2)  # held messages come back after the memory broker's 50 ms hold
     assert runner.pending, "the busy stream fired nothing while the slow one stopped: no case made"
