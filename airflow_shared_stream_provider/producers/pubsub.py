@@ -35,6 +35,11 @@ failures are retried; ``PERMANENT_FAILURE_INVALID_ACK_ID`` (the lease expired) i
 ``leases_lost`` and logged: Pub/Sub redelivers the message, so its events may fire twice (never
 zero times). A call that keeps failing for every id is surfaced: the pull loop raises it and the
 group terminates (every watcher sees the error, unacked messages are redelivered).
+
+Closing (a stop, or the group failing): the messages the producer holds unfinished and those of a
+pull still travelling (waited for up to ``pull_timeout`` + 0.5 s) are handed back with
+``ModifyAckDeadline(0)``, also after the acks failed for good, so they are redelivered at once
+rather than when their ack deadline lapses. Only a pull that does not answer in time is cancelled.
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ RPC_RETRIES: Final = 5
 _ACK_BACKOFF: Final = Backoff(0.1)
 _PUBLISH_BACKOFF: Final = Backoff(0.2)
 ATTEMPTS_MEMORY: Final = 100_000
+CLOSING_PULL_GRACE: Final = 0.5
+"""Seconds past ``pull_timeout`` a closing producer waits for the pull still travelling (its leases)."""
 
 
 @dataclass(slots=True)
@@ -206,7 +213,13 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                 if self._next_pull is None:
                     self._next_pull = self._start_pull(await self.wait_for_credit())
                 task, self._next_pull = self._next_pull, None
-                pull_index, started, received = await task
+                try:
+                    # Shielded: a stop must not cancel a pull the server may have answered already
+                    # (it leases what it hands out); the finally below hands those messages back.
+                    pull_index, started, received = await asyncio.shield(task)
+                except asyncio.CancelledError:
+                    self._next_pull = task
+                    raise
                 if self._buffer.fatal is not None:
                     # The acks failed for good while this pull was out (an outage): the stream ends.
                     # Hand these back instead of broadcasting them: their acks could not be sent,
@@ -273,8 +286,32 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                         ),
                     )
         finally:
-            await cancel_and_wait(self._next_pull)
-            self._next_pull = None
+            await self._hand_back_travelling_pull()
+
+    async def _hand_back_travelling_pull(self) -> None:
+        """
+        Closing: wait briefly for the pull still travelling and hand back what it brings.
+
+        The server leases messages when it answers a pull, so cancelling a pull that was answered
+        (the pipelined one, or one in flight when the stream stops) leaves its messages leased to
+        nobody until their ack deadline lapses: late, not lost. Waiting up to ``pull_timeout`` +
+        :data:`CLOSING_PULL_GRACE` and queueing its ack ids as nacks (sent by the final flush in
+        :meth:`_close`) makes them deliverable again at once. A pull that does not answer in time
+        is cancelled (an outage: what it may have leased waits out the deadline).
+        """
+        task, self._next_pull = self._next_pull, None
+        if task is None:
+            return
+        try:
+            if not task.done():
+                await asyncio.wait({task}, timeout=self.settings.pull_timeout + CLOSING_PULL_GRACE)
+        finally:
+            if not task.done():
+                await cancel_and_wait(task)
+        if task.cancelled() or task.exception() is not None:
+            return
+        _, _, received = task.result()
+        self._buffer.nacks.extend(item.ack_id for item in received)
 
     def _start_pull(self, credit: int) -> asyncio.Task[tuple[int, float, Sequence[Any]]]:
         self._pulls_started += 1
@@ -491,14 +528,16 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
 
     # -- closing ---------------------------------------------------------------------------------
     async def _close(self) -> None:
-        await cancel_and_wait(self._next_pull)
-        self._next_pull = None
+        await self._hand_back_travelling_pull()
         await self._unsettled.stop()
         await self._buffer.stop()
         try:
-            if self._subscriber is not None and self._buffer.fatal is None:
+            if self._subscriber is not None:
                 # Acks already decided are sent before the channel closes (fewer duplicates), and
                 # messages nobody finished are handed back now instead of when their lease lapses.
+                # Also after the acks failed for good (``fatal``): an outage that outlasted the ack
+                # retries is often over by the time the group closes, and messages pulled since it
+                # healed would otherwise wait out their ack deadline before anyone sees them again.
                 self._buffer.nacks.extend(self._unsettled.drain())
                 await best_effort(
                     self.flush(),
