@@ -14,6 +14,10 @@ rejected            produced to ``dlq_topic`` (original key, value, headers + ``
 (DEAD_LETTER)       headers) and awaited (acks=all) **before** the offset is marked done. Without a
                     ``dlq_topic`` it is logged with its coordinates and committed past; the record
                     stays in the source topic until retention (Kafka never deletes on commit).
+                    A record the added headers push over the size limit (``max_request_size``, or
+                    the broker's ``message.max.bytes``) is dead-lettered with an empty value and
+                    without its headers, ``x-dead-letter-omitted`` saying so, and logged: the original
+                    stays in the source topic until retention, and the partition moves on.
 failed (REDELIVER)  not done: the lane holds at this offset and the consumer seeks back to it, so it
                     is delivered again in this session (only the held offsets are re-yielded; the
                     ones still in flight or done are skipped, not duplicated). With watcher
@@ -62,7 +66,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from airflow_shared_stream_provider._core.dispositions import Disposition
 from airflow_shared_stream_provider._core.envelope import (
@@ -96,13 +100,22 @@ try:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
     from aiokafka.coordinator.assignors.range import RangePartitionAssignor
     from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
-    from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaConnectionError, KafkaError
+    from aiokafka.errors import (
+        CommitFailedError,
+        IllegalStateError,
+        KafkaConnectionError,
+        KafkaError,
+        MessageSizeTooLargeError,
+        RecordListTooLargeError,
+    )
     from aiokafka.helpers import create_ssl_context
     from aiokafka.structs import OffsetAndMetadata
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise missing_dependency("kafka", "aiokafka", exc) from exc
 
 _epochs = itertools.count(1)
+# A record too large for the dead-letter topic: refused by the client (max_request_size) or the broker.
+TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
 # Watcher positions: how long the stream waits at start for the watchers' stored positions, how long
 # a rewind waits for in-flight messages to settle, and how long a graceful stop tries to store them.
 POSITION_LOOKUP_TIMEOUT = 10.0
@@ -746,20 +759,63 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 )
             return
         producer = await self._dlq_producer()
-        sends = []
-        for entry in entries:
-            d = entry.delivery
-            headers = [
-                *d.headers,
-                ("x-dead-letter-reason", entry.decision.reason.encode()),
-                ("x-dead-letter-source", f"{d.tp.topic}/{d.tp.partition}/{d.offset}".encode()),
-                ("x-dead-letter-attempts", str(d.delivery_attempt).encode()),
-                ("x-dead-letter-group", self.group_id.encode()),
-            ]
-            sends.append(await producer.send(topic, value=d.value, key=d.key, headers=headers))
+        sends = [await self._send_dead_letter(producer, topic, entry) for entry in entries]
         self.counters.api_calls += len(sends)
         # Every record acknowledged by the broker (acks=all) before any offset is marked done.
-        await asyncio.gather(*sends)
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        for entry, result in zip(entries, results, strict=True):
+            if isinstance(result, TOO_LARGE):
+                # The broker refused the batch that held it: again on its own, then cut if need be.
+                try:
+                    await (await self._send_dead_letter(producer, topic, entry))
+                except TOO_LARGE as exc:
+                    await (await self._send_dead_letter(producer, topic, entry, refused=exc))
+                self.counters.api_calls += 1
+            elif isinstance(result, BaseException):
+                raise result
+
+    async def _send_dead_letter(
+        self, producer: AIOKafkaProducer, topic: str, entry: Decided[KafkaMessage], *, refused: Exception | None = None
+    ) -> asyncio.Future[Any]:
+        """
+        Queue one dead-letter record; return the future of its acknowledgement.
+
+        The original key, value and headers plus the ``x-dead-letter-*`` headers. When that is over
+        the size limit (the client's check, or ``refused`` by the broker), the record goes with an
+        empty value and without the original headers: the original stays in the source topic until
+        retention, where ``x-dead-letter-source`` points.
+        """
+        d = entry.delivery
+        source = f"{d.tp.topic}/{d.tp.partition}/{d.offset}"
+        fields = [
+            ("x-dead-letter-reason", entry.decision.reason.encode()),
+            ("x-dead-letter-source", source.encode()),
+            ("x-dead-letter-attempts", str(d.delivery_attempt).encode()),
+            ("x-dead-letter-group", self.group_id.encode()),
+        ]
+        if refused is None:
+            # aiokafka refuses a record with neither key nor value: a keyless tombstone goes as b"".
+            value = d.value if d.value is not None or d.key is not None else b""
+            try:
+                return cast(
+                    "asyncio.Future[Any]",
+                    await producer.send(topic, value=value, key=d.key, headers=[*d.headers, *fields]),
+                )
+            except TOO_LARGE as exc:
+                refused = exc
+        size = len(d.value or b"") + sum(len(name) + len(value or b"") for name, value in d.headers)
+        self.log.error(
+            "Dead-lettering %s to %s without its value and headers (%d bytes): too large with the "
+            "dead-letter headers (%s). The original stays in the source topic until retention. Reason: %s",
+            source,
+            topic,
+            size,
+            refused,
+            entry.decision.reason,
+        )
+        omitted = f"value and headers ({size} bytes): over the size limit; the original is at {source}"
+        headers = [*fields, ("x-dead-letter-omitted", omitted.encode())]
+        return cast("asyncio.Future[Any]", await producer.send(topic, value=b"", key=d.key, headers=headers))
 
     async def _dlq_producer(self) -> AIOKafkaProducer:
         if self._dlq is None:

@@ -159,20 +159,22 @@ async def test_fuzzed_input_is_delivered_or_dead_lettered(session: FuzzSession, 
 
 
 # -- provider bugs found by the fuzzing ----------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: producers/kafka.py _dead_letter re-sends the record with x-dead-letter-* headers added, so a "
-    "record near the size limit (max_request_size / message.max.bytes, 1 MiB by default) cannot be dead-lettered: "
-    "MessageSizeTooLargeError, advance raises, the group ends, the partition never advances past it (every restart "
-    "fails the same way and redelivers what follows)",
-)
-async def test_a_record_near_the_size_limit_blocks_its_partition(adapter: KafkaAdapter) -> None:
-    # Over max_payload_bytes (so dead-lettered), and just small enough for the publisher's 1 MiB request limit.
-    await adapter.publish([b"x" * (1024 * 1024 - 300), b"after"], partition=0)
+async def test_a_record_near_the_size_limit_is_dead_lettered_without_its_value(adapter: KafkaAdapter) -> None:
+    # Found by the fuzzing: over max_payload_bytes (so dead-lettered) and just small enough for the
+    # publisher's 1 MiB request limit, so the dead-letter headers push it over. It used to end the
+    # group on MessageSizeTooLargeError at every restart: the partition never moved past it.
+    size = 1024 * 1024 - 300
+    await adapter.publish([b"x" * size, b"after"], partition=0)
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger())
         await settle_or_fail(runner, adapter.unsettled, timeout=30)
         assert not runner.failures, f"the stream crashed: {runner.failures!r}"
         assert await adapter.unsettled() == 0, "the partition is stuck"
     assert [p["body"] for p in runner.persisted[1]] == ["after"]
+    [record] = await adapter.dead_letter_records()
+    headers = dict(record.headers)
+    assert record.value == b""
+    assert headers["x-dead-letter-source"] == f"{adapter.topic}/0/0".encode()
+    assert b"payload too large" in headers["x-dead-letter-reason"]
+    omitted = headers["x-dead-letter-omitted"].decode()
+    assert f"({size} bytes)" in omitted and f"{adapter.topic}/0/0" in omitted
