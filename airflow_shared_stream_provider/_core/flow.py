@@ -35,6 +35,17 @@ below :data:`MIN_BATCHES_IN_FLIGHT`). Measured at N=100, 64 KiB batches: 20 batc
 peaked the triggerer at 2.1 GB RSS; the supervisor persists ~0.7 batch a second for 100 watchers,
 so 5 batches keep it as busy.
 
+Slow start: a new producer does not take the whole in-flight bound at once. Its limit starts at
+:data:`SLOW_START_EVENTS` events (messages x watchers, at least :data:`MIN_START_IN_FLIGHT`
+messages; :data:`MIN_BATCHES_IN_FLIGHT` batches in batch mode) and grows by one for every message
+advanced, so it doubles with every persistence round until it reaches the bound above. Why: after a
+restart the stream finds the backlog the outage left, and the triggerer's supervisor confirms the
+events it stores only after storing all it received (one DB session per event), so a stream that
+fanned out thousands of messages at once commits nothing until all of their events are stored. A
+triggerer killed more often than that made no commit progress at all (docs/reliability.md, Kill
+loops: Kafka re-read a growing backlog for 13 triggerer lives). Costs a few persistence rounds of
+throughput at start, nothing after.
+
 One :class:`FlowGate` exists per shared-stream key per process, shared by the producer and the
 watchers through :data:`gates` (the manager gives neither side a handle on the other).
 """
@@ -54,6 +65,9 @@ MIN_WINDOW: Final = 64
 # Batch payload bytes of all watchers' unpersisted events (see the module docstring).
 EVENT_BYTES_BUDGET: Final = 32 * 1024 * 1024
 MIN_BATCHES_IN_FLIGHT: Final = 2
+# Slow start (see the module docstring): the events a new producer's first round may fan out.
+SLOW_START_EVENTS: Final = 512
+MIN_START_IN_FLIGHT: Final = 16
 
 
 def scaled_window(configured: int, watchers: int) -> int:
@@ -82,6 +96,9 @@ class FlowGate:
         self._configured_in_flight = 10_000
         self._max_in_flight = 10_000
         self._batch_bytes = 0
+        # Slow start: the in-flight limit while it ramps up (None: ramped up; -1: starts at the
+        # first credit, once the cohort of watchers is known).
+        self._ramp: int | None = None
         # Set when a watcher finds the manager stopping this stream (``_core/binding.py``): no
         # credit until the next producer binds the gate.
         self.frozen = False
@@ -156,6 +173,27 @@ class FlowGate:
     def unfreeze(self) -> None:
         self.frozen = False
 
+    def begin_slow_start(self) -> None:
+        """A new producer: its in-flight limit ramps up from a first round (see the module docstring)."""
+        self._ramp = -1
+
+    @property
+    def in_flight_limit(self) -> int:
+        """The in-flight bound now: :attr:`max_in_flight`, or less while slow start ramps up."""
+        ramp = self._ramp
+        if ramp is None:
+            return self._max_in_flight
+        if ramp < 0:
+            if self._batch_bytes > 0:
+                ramp = MIN_BATCHES_IN_FLIGHT
+            else:
+                ramp = max(MIN_START_IN_FLIGHT, SLOW_START_EVENTS // max(1, len(self._consumed)))
+            self._ramp = ramp
+        if ramp >= self._max_in_flight:
+            self._ramp = None
+            return self._max_in_flight
+        return ramp
+
     def credit(self) -> int:
         """How many messages may be yielded now without waiting (0 when blocked or frozen)."""
         if self.frozen:
@@ -164,7 +202,7 @@ class FlowGate:
         by_lag = window - (self._produced - self._floor)
         if by_lag <= 0:
             by_lag = window - (self._produced - self._recompute_floor())
-        by_flight = self._max_in_flight - self.in_flight
+        by_flight = self.in_flight_limit - self.in_flight
         return max(0, min(by_lag, by_flight))
 
     async def wait_for_credit(self) -> int:
@@ -186,6 +224,8 @@ class FlowGate:
     def advanced(self, count: int) -> None:
         """``count`` messages left flight (advanced on the broker, or abandoned)."""
         self._advanced += count
+        if self._ramp is not None and self._ramp >= 0:
+            self._ramp += count  # one more per message advanced: doubles every round
         self._wake()
 
     # -- watcher side --------------------------------------------------------------------------

@@ -224,6 +224,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             gate.max_in_flight = -(-self.settings.max_in_flight // self.batch_size)
             gate.count_batches(self.settings.max_payload_bytes if self.batching else 0)
             gate.unfreeze()  # a new group: a stop seen by the previous one is over
+            gate.begin_slow_start()
             self._fired_reported = gate.fired  # the gate may outlive an earlier producer
             self._gate = gate
         return self._gate

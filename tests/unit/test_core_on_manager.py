@@ -6,6 +6,7 @@ core); time is a fake clock injected into the manager, so ack timeouts happen wh
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections.abc import Mapping
@@ -282,3 +283,26 @@ async def test_without_the_gate_the_same_backlog_overflows(broker: MemoryBroker,
         runner.add(1, trigger(broker))
         await wait_until(lambda: bool(runner.failures), timeout=60, what="overflow")
     assert "exceeded maxsize" in str(runner.failures[1])
+
+
+async def test_a_new_stream_fans_out_a_backlog_in_rounds_that_double(broker: MemoryBroker) -> None:
+    """
+    Slow start on the real manager: a stream that finds a backlog fans out a first round of 512
+    events (128 messages for 4 watchers), and more only as rounds are persisted and advanced, so
+    a triggerer killed soon after a restart has committed its first rounds instead of nothing.
+    """
+    ids = publish_orders(broker, 2_000)
+    async with RunnerSim(SharedStreamManager()) as runner:
+        for trigger_id in (1, 2, 3, 4):
+            runner.add(trigger_id, trigger(broker))
+        await wait_until(lambda: len(runner.pending) >= 4 * 128, timeout=10, what="the first round")
+        await asyncio.sleep(0.3)  # nothing is persisted: nothing more may come
+        assert len(runner.pending) == 4 * 128
+        assert broker.committed == []
+        runner.persist()
+        await wait_until(lambda: len(broker.committed) == 128, timeout=10, what="the first round committed")
+        await wait_until(lambda: len(runner.pending) >= 4 * 256, timeout=10, what="the second round")
+        await asyncio.sleep(0.3)
+        assert len(runner.pending) == 4 * 256
+        await persist_until(runner, lambda: len(broker.committed) == 2_000, what="the backlog committed")
+    assert all([p["message_id"] for p in runner.persisted[t]] == ids for t in (1, 2, 3, 4))

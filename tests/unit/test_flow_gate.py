@@ -8,7 +8,9 @@ from airflow_shared_stream_provider._core.flow import (
     BINDING_BUDGET,
     EVENT_BYTES_BUDGET,
     MIN_BATCHES_IN_FLIGHT,
+    MIN_START_IN_FLIGHT,
     MIN_WINDOW,
+    SLOW_START_EVENTS,
     FlowGate,
     scaled_in_flight,
     scaled_window,
@@ -98,3 +100,57 @@ def test_batch_credit_shrinks_as_watchers_join_and_widens_as_they_leave() -> Non
         gate.unregister(token)
     assert gate.max_in_flight == 20
     assert gate.credit() == 20
+
+
+@pytest.mark.parametrize(("watchers", "first_round"), [(1, 512), (4, 128), (10, 51), (100, 16)])
+def test_slow_start_fans_out_a_first_round_then_doubles_per_round(watchers: int, first_round: int) -> None:
+    assert SLOW_START_EVENTS == 512 and MIN_START_IN_FLIGHT == 16  # the table is for these
+    gate = FlowGate()
+    gate.window = 100_000
+    gate.max_in_flight = 10_000
+    gate.begin_slow_start()
+    for token in range(watchers):
+        gate.register(token)
+
+    def fan_out() -> int:
+        """Yield what the gate allows, every watcher pulling it at once, until it allows no more."""
+        sent = 0
+        while (credit := gate.credit()) > 0:
+            for _ in range(credit):
+                gate.next_seq()
+            for token in range(watchers):
+                gate.consumed(token, gate.produced)
+            sent += credit
+        return sent
+
+    rounds = [fan_out()]
+    assert rounds == [first_round]
+    assert gate.credit() == 0  # nothing more until the first round is advanced
+    while gate.in_flight_limit < gate.max_in_flight:
+        gate.advanced(gate.in_flight)
+        rounds.append(fan_out())
+    assert rounds[:4] == [first_round, 2 * first_round, 4 * first_round, 8 * first_round]
+    assert gate.credit() == 0 and gate.in_flight == 10_000  # ramped up: the configured bound
+    gate.advanced(10_000)
+    assert gate.in_flight_limit == 10_000  # and it stays there: slow start is over
+
+
+def test_slow_start_counts_batches_from_the_floor_in_batch_mode() -> None:
+    gate = FlowGate()
+    gate.max_in_flight = 20
+    gate.count_batches(65_536)
+    gate.begin_slow_start()
+    gate.register(0)
+    assert gate.credit() == MIN_BATCHES_IN_FLIGHT
+    gate.next_seq(), gate.next_seq()
+    gate.consumed(0, 2)
+    gate.advanced(2)
+    assert gate.credit() == 4
+
+
+def test_a_gate_without_slow_start_gives_the_whole_bound() -> None:
+    gate = FlowGate()
+    gate.max_in_flight = 3_000
+    gate.window = 100_000
+    gate.register(0)
+    assert gate.credit() == 3_000
