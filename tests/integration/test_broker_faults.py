@@ -12,6 +12,10 @@ watchers, and one fault is injected mid-stream:
 * ``refuse``: every connection is reset and reconnects are refused for 5 s;
 * ``restart`` (SQS): moto's server is stopped and started again on the same port; its backend is
   in-process, so queues, messages and receipt handles survive.
+* ``restart`` (Kafka): a Tansu that stores in S3 (``--storage-engine s3://``, a moto server as the
+  object store) is stopped and started again on the same port; topics, records and committed
+  offsets survive. (This Tansu build has no other persistent engine: ``sqlite://`` and
+  ``postgres://`` answer ``FeatureNotEnabled``.)
 
 Then the proxy heals. The property, per broker and fault:
 
@@ -45,13 +49,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 from aiobotocore.session import get_session
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -89,10 +95,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 # -- Kafka: a dedicated Tansu advertising the proxy --------------------------------------------
-def start_tansu_behind(proxy_port: int, listen_port: int, *, timeout: float = 30.0) -> BrokerProcess:
+def start_tansu_behind(
+    proxy_port: int,
+    listen_port: int,
+    *,
+    storage: str = "memory://tansu/",
+    env: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> BrokerProcess:
     """
     Tansu listening on ``listen_port`` and advertising ``127.0.0.1:proxy_port`` (the fault proxy):
-    every Kafka client, once bootstrapped, connects to the proxy.
+    every Kafka client, once bootstrapped, connects to the proxy. ``storage``: its engine URL.
     """
     log_path = Path(tempfile.mkstemp(prefix="tansu-faults-", suffix=".log")[1])
     argv = [
@@ -103,11 +116,16 @@ def start_tansu_behind(proxy_port: int, listen_port: int, *, timeout: float = 30
         "--advertised-listener-url",
         f"tcp://127.0.0.1:{proxy_port}",
         "--storage-engine",
-        "memory://tansu/",
+        storage,
     ]
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(
-            argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            argv,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
         )
     broker = BrokerProcess("kafka", f"127.0.0.1:{listen_port}", proc, log_path)
     try:
@@ -123,6 +141,8 @@ def start_tansu_behind(proxy_port: int, listen_port: int, *, timeout: float = 30
 class KafkaFaults:
     proxy: FaultProxy
     broker: BrokerProcess
+    start_broker: Callable[[], BrokerProcess] | None = None
+    """Starts the broker again on the same port with the same data; None: it keeps none (memory)."""
 
 
 @pytest.fixture(scope="module")
@@ -136,14 +156,47 @@ def kafka_faults() -> Iterator[KafkaFaults]:
             broker.stop()
 
 
+@pytest.fixture(scope="module")
+def kafka_s3_faults() -> Iterator[KafkaFaults]:
+    """A Tansu that stores in S3 (a moto server): a restart keeps topics, records and offsets."""
+    store = start_moto()
+    try:
+        boto3.client(
+            "s3", endpoint_url=store.address, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+        ).create_bucket(Bucket="tansu")
+        env = {
+            **os.environ,
+            "AWS_ENDPOINT": store.address,
+            "AWS_ALLOW_HTTP": "true",
+            "AWS_ACCESS_KEY_ID": "x",
+            "AWS_SECRET_ACCESS_KEY": "x",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        listen_port = free_port()
+        with FaultProxy(listen_port) as proxy:
+
+            def start() -> BrokerProcess:
+                return start_tansu_behind(proxy.port, listen_port, storage="s3://tansu/", env=env)
+
+            faults = KafkaFaults(proxy, start(), start)
+            try:
+                yield faults
+            finally:
+                faults.broker.stop()
+    finally:
+        stop_moto(store)
+
+
 class KafkaTarget:
     broker = "kafka"
 
     def __init__(self, faults: KafkaFaults, adapter: KafkaAdapter) -> None:
+        self.faults = faults
         self.proxy = faults.proxy
         self.adapter = adapter
         self.publish_retries = 0
         self.broker_forgot = 0
+        self.restarts = 0
         self._producer: AIOKafkaProducer | None = None
 
     def make_trigger(self, **kwargs: Any) -> SharedStreamTrigger:
@@ -176,35 +229,53 @@ class KafkaTarget:
 
     async def expected_ids(self) -> set[str]:
         """Every record of the topic, read back from the broker (a retried publish may have written twice)."""
+        return {f"{self.adapter.topic}/{p}/{offset}" for p, offset in await self._records_from({})}
+
+    async def unsettled(self) -> int:
+        """Records past the group's committed offsets, read back (not end offsets: see :meth:`_records_from`)."""
+        return len(await self._records_from(await self.adapter.committed()))
+
+    async def _records_from(self, offsets: dict[int, int]) -> list[tuple[int, int]]:
+        """
+        ``(partition, offset)`` of every record from ``offsets`` (default: the beginning) on. Read
+        until the end offsets and then until a fetch stays empty for 1 s: Tansu on S3 storage
+        answers ``ListOffsets`` from a watermark that lags behind its records after a restart.
+        """
         topic = self.adapter.topic
         consumer = AIOKafkaConsumer(bootstrap_servers=self.adapter.bootstrap, enable_auto_commit=False)
         await consumer.start()
         try:
             tps = [TopicPartition(topic, p) for p in range(self.adapter.partitions)]
             consumer.assign(tps)
-            await consumer.seek_to_beginning(*tps)
+            for tp in tps:
+                consumer.seek(tp, offsets.get(tp.partition, 0))
             ends = await consumer.end_offsets(tps)
-            ids: set[str] = set()
+            found: list[tuple[int, int]] = []
             while True:
-                positions = {tp: await consumer.position(tp) for tp in tps}
-                if all(positions[tp] >= ends[tp] for tp in tps):
-                    return ids
-                for tp, records in (await consumer.getmany(timeout_ms=500)).items():
-                    ids.update(f"{topic}/{tp.partition}/{record.offset}" for record in records)
+                batch = await consumer.getmany(timeout_ms=1000)
+                for tp, records in batch.items():
+                    found.extend((tp.partition, record.offset) for record in records)
+                if not batch and all([await consumer.position(tp) >= ends[tp] for tp in tps]):
+                    return found
         finally:
             await consumer.stop()
-
-    async def unsettled(self) -> int:
-        return await self.adapter.unsettled()
 
     def identity(self, payload: dict[str, Any]) -> str:
         return str(payload["message_id"])
 
     async def restart(self, down: float) -> None:
-        raise NotImplementedError("this Tansu stores in memory: a restart keeps no data")
+        """Stop Tansu, start it again on the same port after ``down`` s (it keeps its data in S3)."""
+        faults = self.faults
+        if faults.start_broker is None:
+            raise NotImplementedError("this Tansu stores in memory: a restart keeps no data")
+        faults.broker.stop()
+        self.proxy.drop()  # a stopped broker keeps none of its connections
+        await asyncio.sleep(down)
+        faults.broker = await asyncio.to_thread(faults.start_broker)
+        self.restarts += 1
 
     def note(self) -> str:
-        return ""
+        return "Tansu kept its topics, records and committed offsets (S3 storage on moto)" if self.restarts else ""
 
     async def close(self) -> None:
         await self._drop_producer()
@@ -216,19 +287,31 @@ def kafka_connection(monkeypatch: pytest.MonkeyPatch, conn_id: str, bootstrap: s
     return conn_id
 
 
-@pytest.fixture
-async def kafka_target(kafka_faults: KafkaFaults, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KafkaTarget]:
-    kafka_faults.proxy.heal()
-    bootstrap = kafka_faults.proxy.address
+@contextlib.asynccontextmanager
+async def open_kafka_target(faults: KafkaFaults, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KafkaTarget]:
+    faults.proxy.heal()
+    bootstrap = faults.proxy.address
     adapter = KafkaAdapter(bootstrap, kafka_connection(monkeypatch, "kafka_faults", bootstrap))
     await create_topics(bootstrap, adapter.topic, partitions=adapter.partitions)
     await create_topics(bootstrap, adapter.dlq_topic, partitions=1)
-    target = KafkaTarget(kafka_faults, adapter)
+    target = KafkaTarget(faults, adapter)
     try:
         yield target
     finally:
-        kafka_faults.proxy.heal()
+        faults.proxy.heal()
         await target.close()
+
+
+@pytest.fixture
+async def kafka_target(kafka_faults: KafkaFaults, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KafkaTarget]:
+    async with open_kafka_target(kafka_faults, monkeypatch) as target:
+        yield target
+
+
+@pytest.fixture
+async def kafka_s3_target(kafka_s3_faults: KafkaFaults, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KafkaTarget]:
+    async with open_kafka_target(kafka_s3_faults, monkeypatch) as target:
+        yield target
 
 
 @pytest.mark.kafka
@@ -237,6 +320,14 @@ async def test_kafka_resumes_after_fault_and_loses_nothing(kafka_target: KafkaTa
     report = await run_fault(kafka_target, fault)
     assert_nothing_lost(report)
     assert_reconnects_bounded(report, fault)
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(180)
+async def test_kafka_broker_restart_keeps_its_data_and_loses_nothing(kafka_s3_target: KafkaTarget) -> None:
+    report = await run_fault(kafka_s3_target, RESTART)
+    assert_nothing_lost(report)
+    assert kafka_s3_target.restarts == 1
 
 
 MAX_KAFKA_RECONNECTS_PER_SECOND = 12.0
