@@ -37,8 +37,9 @@ so 5 batches keep it as busy.
 
 Slow start: a new producer does not take the whole in-flight bound at once. Its limit starts at
 :data:`SLOW_START_EVENTS` events (messages x watchers, at least :data:`MIN_START_IN_FLIGHT`
-messages; :data:`MIN_BATCHES_IN_FLIGHT` batches in batch mode) and grows by one for every message
-advanced, so it doubles with every persistence round until it reaches the bound above. Why: after a
+messages) and grows by one for every message advanced, so it doubles with every persistence round
+until it reaches the bound above. Batch mode needs none: the byte budget above already bounds its
+events in flight to ``EVENT_BYTES_BUDGET / max_payload_bytes`` (512 at the default 64 KiB). Why: after a
 restart the stream finds the backlog the outage left, and the triggerer's supervisor confirms the
 events it stores only after storing all it received (one DB session per event), so a stream that
 fanned out thousands of messages at once commits nothing until all of their events are stored. A
@@ -185,9 +186,9 @@ class FlowGate:
             return self._max_in_flight
         if ramp < 0:
             if self._batch_bytes > 0:
-                ramp = MIN_BATCHES_IN_FLIGHT
-            else:
-                ramp = max(MIN_START_IN_FLIGHT, SLOW_START_EVENTS // max(1, len(self._consumed)))
+                self._ramp = None  # bounded by bytes already (see the module docstring)
+                return self._max_in_flight
+            ramp = max(MIN_START_IN_FLIGHT, SLOW_START_EVENTS // max(1, len(self._consumed)))
             self._ramp = ramp
         if ramp >= self._max_in_flight:
             self._ramp = None

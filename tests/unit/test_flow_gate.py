@@ -135,17 +135,17 @@ def test_slow_start_fans_out_a_first_round_then_doubles_per_round(watchers: int,
     assert gate.in_flight_limit == 10_000  # and it stays there: slow start is over
 
 
-def test_slow_start_counts_batches_from_the_floor_in_batch_mode() -> None:
+def test_batch_mode_needs_no_slow_start_its_byte_budget_bounds_the_first_round() -> None:
     gate = FlowGate()
+    gate.window = 100_000
     gate.max_in_flight = 20
     gate.count_batches(65_536)
     gate.begin_slow_start()
-    gate.register(0)
-    assert gate.credit() == MIN_BATCHES_IN_FLIGHT
-    gate.next_seq(), gate.next_seq()
-    gate.consumed(0, 2)
-    gate.advanced(2)
-    assert gate.credit() == 4
+    for token in range(10):
+        gate.register(token)
+    # 20 batches x 10 watchers = 200 events in flight, within the 512 the byte budget allows.
+    assert gate.in_flight_limit == gate.max_in_flight == 20
+    assert gate.credit() == 20
 
 
 def test_a_gate_without_slow_start_gives_the_whole_bound() -> None:
