@@ -102,10 +102,22 @@ def _spawn(name: str, argv: list[str], log_path: Path, env: dict[str, str] | Non
         log_file.close()
 
 
-def start_kafka(*, timeout: float = 30.0) -> BrokerProcess:
-    """Start Tansu (Kafka protocol, memory storage) on a free loopback port."""
-    port = free_port()
+def start_kafka(
+    *,
+    port: int | None = None,
+    advertised_port: int | None = None,
+    storage: str = "memory://tansu/",
+    env: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> BrokerProcess:
+    """
+    Start Tansu (Kafka protocol) on ``port`` (default: a free loopback port), advertising
+    ``advertised_port`` (default: ``port``; a fault proxy in front of it, say), storing in
+    ``storage`` (memory by default; ``env`` for the S3 engine's settings).
+    """
+    port = free_port() if port is None else port
     url = f"tcp://127.0.0.1:{port}"
+    advertised = url if advertised_port is None else f"tcp://127.0.0.1:{advertised_port}"
     log_path = Path(tempfile.mkstemp(prefix="tansu-", suffix=".log")[1])
     proc = _spawn(
         "kafka",
@@ -115,11 +127,12 @@ def start_kafka(*, timeout: float = 30.0) -> BrokerProcess:
             "--listener-url",
             url,
             "--advertised-listener-url",
-            url,
+            advertised,
             "--storage-engine",
-            "memory://tansu/",
+            storage,
         ],
         log_path,
+        env,
     )
     broker = BrokerProcess("kafka", f"127.0.0.1:{port}", proc, log_path)
     try:

@@ -162,11 +162,7 @@ class RunnerSim:
             await self.remove(trigger_id)
 
     async def stop(self) -> None:
-        if self._persister is not None:
-            self._persister.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._persister
-            self._persister = None
+        await self.stop_persisting()
         for trigger_id in list(self._tasks):
             await self.remove(trigger_id)
         await self.manager.stop_all()

@@ -34,7 +34,7 @@ not a ``SharedStreamConfigError``; Kafka reconnects at most a few times a second
 (``retry_backoff_ms`` defaults to 1 s, ``kafka_config.DEFAULT_RETRY_BACKOFF_MS``).
 
 Kafka clients connect to the address the broker *advertises*, so Kafka runs on a dedicated Tansu
-whose advertised listener is the proxy (:func:`start_tansu_behind`); its publisher goes through the
+whose advertised listener is the proxy (``start_kafka(advertised_port=...)``); its publisher goes through the
 proxy too (it rides the faults out by retrying), and the expected message ids are read back from
 the topic afterwards. The SQS publisher talks to moto directly; only the producer's ``aws``
 connection (``endpoint_url``) points at the proxy.
@@ -50,11 +50,8 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
-import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -69,8 +66,8 @@ from airflow_shared_stream_provider._core.retry import Backoff
 from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
 from airflow_shared_stream_provider.producers import sqs as sqs_producer
 from airflow_shared_stream_provider.producers.kafka_config import DEFAULT_RETRY_BACKOFF_MS, kafka_client_config
-from devkit.brokers import BrokerProcess, BrokerStartError, start_moto, stop_moto, tansu_binary
-from devkit.ports import free_port, wait_for_port
+from devkit.brokers import BrokerProcess, start_kafka, start_moto, stop_moto
+from devkit.ports import free_port
 from tests.faultproxy import FaultProxy
 from tests.integration.faults_harness import (
     FAULT_SECONDS,
@@ -95,48 +92,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 # -- Kafka: a dedicated Tansu advertising the proxy --------------------------------------------
-def start_tansu_behind(
-    proxy_port: int,
-    listen_port: int,
-    *,
-    storage: str = "memory://tansu/",
-    env: dict[str, str] | None = None,
-    timeout: float = 30.0,
-) -> BrokerProcess:
-    """
-    Tansu listening on ``listen_port`` and advertising ``127.0.0.1:proxy_port`` (the fault proxy):
-    every Kafka client, once bootstrapped, connects to the proxy. ``storage``: its engine URL.
-    """
-    log_path = Path(tempfile.mkstemp(prefix="tansu-faults-", suffix=".log")[1])
-    argv = [
-        str(tansu_binary()),
-        "broker",
-        "--listener-url",
-        f"tcp://127.0.0.1:{listen_port}",
-        "--advertised-listener-url",
-        f"tcp://127.0.0.1:{proxy_port}",
-        "--storage-engine",
-        storage,
-    ]
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=env,
-        )
-    broker = BrokerProcess("kafka", f"127.0.0.1:{listen_port}", proc, log_path)
-    try:
-        wait_for_port(listen_port, timeout=timeout)
-    except TimeoutError as exc:
-        tail = broker.log_tail()
-        broker.stop()
-        raise BrokerStartError(f"Tansu did not start on port {listen_port}: {exc}\n{tail}") from exc
-    return broker
-
-
 @dataclass
 class KafkaFaults:
     proxy: FaultProxy
@@ -149,7 +104,7 @@ class KafkaFaults:
 def kafka_faults() -> Iterator[KafkaFaults]:
     listen_port = free_port()
     with FaultProxy(listen_port) as proxy:
-        broker = start_tansu_behind(proxy.port, listen_port)
+        broker = start_kafka(port=listen_port, advertised_port=proxy.port)
         try:
             yield KafkaFaults(proxy, broker)
         finally:
@@ -176,7 +131,7 @@ def kafka_s3_faults() -> Iterator[KafkaFaults]:
         with FaultProxy(listen_port) as proxy:
 
             def start() -> BrokerProcess:
-                return start_tansu_behind(proxy.port, listen_port, storage="s3://tansu/", env=env)
+                return start_kafka(port=listen_port, advertised_port=proxy.port, storage="s3://tansu/", env=env)
 
             faults = KafkaFaults(proxy, start(), start)
             try:
