@@ -803,7 +803,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 )
             except TOO_LARGE as exc:
                 refused = exc
-        size = len(d.value or b"") + sum(len(name) + len(value or b"") for name, value in d.headers)
+        size = len(d.value or b"") + sum(len(name) + len(header or b"") for name, header in d.headers)
         self.log.error(
             "Dead-lettering %s to %s without its value and headers (%d bytes): too large with the "
             "dead-letter headers (%s). The original stays in the source topic until retention. Reason: %s",

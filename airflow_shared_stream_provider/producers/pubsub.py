@@ -222,16 +222,10 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                     raise
                 if self._buffer.fatal is not None:
                     # The acks failed for good while this pull was out (an outage): the stream ends.
-                    # Hand these back instead of broadcasting them: their acks could not be sent,
-                    # so the watchers would fire for them now and again on the redelivery.
-                    if received:
-                        await best_effort(
-                            self._send("modify", [item.ack_id for item in received], 0),
-                            self.log,
-                            "Could not hand back %d pulled message(s); Pub/Sub redelivers them after the ack deadline",
-                            len(received),
-                            timeout=10,
-                        )
+                    # Hand these back instead of broadcasting them (their acks could not be sent,
+                    # so the watchers would fire for them now and again on the redelivery): the
+                    # final flush in _close nacks them with everything else still held.
+                    self._buffer.nacks.extend(item.ack_id for item in received)
                     raise self._buffer.fatal
                 if not received:
                     self.deferred.release_all()  # quiet subscription: hold nothing (see _core/release.py)
