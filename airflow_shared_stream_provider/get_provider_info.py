@@ -1,8 +1,8 @@
-"""Provider metadata for Airflow's ProvidersManager (entry point ``apache_airflow_provider``).
+"""Provider metadata for Airflow's ProvidersManager (entry point ``apache_airflow_provider``)."""
 
-Mirrors ``provider.yaml`` at the repository top level, which is the single source of truth;
-``tests/unit/test_provider_info.py`` fails when the two disagree.
-"""
+# NOTE: THIS FILE IS GENERATED FROM provider.yaml AND WILL BE OVERWRITTEN.
+# Edit provider.yaml at the repository top level, then run: python -m scripts.provider_info
+# (scripts/test.sh runs it with --check, which fails when this file and provider.yaml differ).
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ def get_provider_info() -> dict[str, Any]:
     return {
         "package-name": "airflow-shared-stream-provider",
         "name": "Shared Stream",
-        "description": "Shared-stream AssetWatcher triggers for Kafka, AWS SQS, Google Pub/Sub and Azure "
-        "Service Bus:\n"
-        "many watchers share one broker connection, and a message is committed only after "
-        "every\n"
-        "watcher's events are persisted in the metadata DB.\n",
+        "description": (
+            "Shared-stream AssetWatcher triggers for Kafka, AWS SQS, Google Pub/Sub and Azure Service Bus:\n"
+            "many watchers share one broker connection, and a message is committed only after every\n"
+            "watcher's events are persisted in the metadata DB.\n"
+        ),
         "versions": ["0.1.0"],
         "integrations": [
             {
@@ -67,59 +67,68 @@ def get_provider_info() -> dict[str, Any]:
         ],
         "config": {
             "shared_stream_provider": {
-                "description": "Settings of the shared-stream producers that describe the triggerer deployment, "
-                "not a Dag.\n",
+                "description": (
+                    "Settings of the shared-stream producers that describe the triggerer deployment, not a Dag.\n"
+                ),
                 "options": {
                     "cohort_settle": {
-                        "description": "Seconds a new shared stream waits, before its first receive, for no more "
-                        "sibling watcher\n"
-                        "to subscribe (a triggerer takes at most 50 new triggers per loop, about one per second).\n"
-                        "Not waited when every watcher recorded in the stream's cohort record is back.\n",
+                        "description": (
+                            "Seconds a new shared stream waits, before its first receive, for no more sibling watcher\n"
+                            "to subscribe (a triggerer takes at most 50 new triggers per loop, about one per second).\n"
+                            "Not waited when every watcher recorded in the stream's cohort record is back.\n"
+                        ),
                         "version_added": "0.1.0",
                         "type": "float",
                         "example": None,
                         "default": "3.0",
                     },
                     "cohort_max_wait": {
-                        "description": "Most seconds a new shared stream waits for the watchers of its cohort record "
-                        "(those of\n"
-                        "its last formation) before reading without the missing ones, which it then forgets.\n",
+                        "description": (
+                            "Most seconds a new shared stream waits for the watchers of its cohort record (those of\n"
+                            "its last formation) before reading without the missing ones, which it then forgets.\n"
+                        ),
                         "version_added": "0.1.0",
                         "type": "float",
                         "example": None,
                         "default": "60.0",
                     },
                     "cohort_record": {
-                        "description": "Keep each stream's cohort record (its watchers) in the watchers' asset state "
-                        "stores, so a\n"
-                        "restarted triggerer waits for every one of them. Its first use makes the triggerer's\n"
-                        "supervisor build Airflow's in-process Execution API (about 80 MB more memory, once).\n",
+                        "description": (
+                            "Keep each stream's cohort record (its watchers) in the watchers' asset state stores, so "
+                            "a\n"
+                            "restarted triggerer waits for every one of them. Its first use makes the triggerer's\n"
+                            "supervisor build Airflow's in-process Execution API (about 80 MB more memory, once).\n"
+                        ),
                         "version_added": "0.1.0",
                         "type": "boolean",
                         "example": None,
                         "default": "True",
                     },
                     "position_interval": {
-                        "description": "Seconds between writes of each Kafka watcher's position to its asset state "
-                        "store\n"
-                        '(``position_store="watchers"``). A crash replays at most this much per watcher (duplicates,\n'
-                        "never loss); each write is one state-store call per watcher.\n",
+                        "description": (
+                            "Seconds between writes of each Kafka watcher's position to its asset state store\n"
+                            '(``position_store="watchers"``). A crash replays at most this much per watcher '
+                            "(duplicates,\n"
+                            "never loss); each write is one state-store call per watcher.\n"
+                        ),
                         "version_added": "0.1.0",
                         "type": "float",
                         "example": None,
                         "default": "5.0",
                     },
                     "heartbeat_interval": {
-                        "description": "Seconds between a stream's heartbeats in its watchers' asset state stores, "
-                        "read to detect\n"
-                        "a stream split across triggerers (an ERROR for queues, whose consumers compete). 0 turns\n"
-                        "the detection off.\n",
+                        "description": (
+                            "Seconds between a stream's heartbeats in its watchers' asset state stores, read to "
+                            "detect\n"
+                            "a stream split across triggerers (an ERROR for queues, whose consumers compete). 0 turns\n"
+                            "the detection off.\n"
+                        ),
                         "version_added": "0.1.0",
                         "type": "float",
                         "example": None,
                         "default": "30.0",
                     },
                 },
-            },
+            }
         },
     }

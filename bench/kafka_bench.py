@@ -232,7 +232,7 @@ class CommitWatch:
                 if self._hurry.is_set():
                     await asyncio.sleep(FAST_POLL)
                 else:
-                    with contextlib.suppress(TimeoutError):
+                    with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(wake.wait(), SLOW_POLL)
         finally:
             await consumer.stop()
@@ -996,8 +996,8 @@ def driver_main(args: argparse.Namespace) -> int:
     if "upstream" in impls and importlib.util.find_spec("airflow.providers.apache.kafka") is None:
         # Found on a fresh machine: every upstream case failed with an ImportError in its child.
         print(
-            "bench: the upstream Kafka provider is not installed; install the bench extra first:\n"
-            '  .venv/bin/uv pip install --python .venv/bin/python -e ".[dev,bench]"\n'
+            "bench: the upstream Kafka provider is not installed; install the bench group first:\n"
+            '  .venv/bin/uv pip install --python .venv/bin/python -e ".[all]" --group dev --group bench\n'
             "or leave it out with --impls ours,ceiling",
             file=sys.stderr,
         )

@@ -262,7 +262,7 @@ async def upstream_watcher(
                         await loop.run_in_executor(None, lambda: None)
                     persisted.extend(m.message.message_id for m in response.received_messages)
                     break  # the trigger returns after one event; the triggerer runs a new one
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=poke)
         finally:
             await client.transport.close()

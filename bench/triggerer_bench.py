@@ -77,7 +77,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Final
 
@@ -638,10 +638,10 @@ class Delivery:
 
 
 def _epoch(value: Any) -> float:
-    """``asset_event.timestamp`` as epoch seconds: psycopg2 gives an aware datetime, SQLite text (UTC)."""
+    """``asset_event.timestamp`` as epoch seconds: psycopg2 gives an aware datetime, SQLite text (timezone.utc)."""
     stamp = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
     if stamp.tzinfo is None:
-        stamp = stamp.replace(tzinfo=UTC)
+        stamp = stamp.replace(tzinfo=timezone.utc)
     return stamp.timestamp()
 
 
@@ -1438,8 +1438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if importlib.util.find_spec("airflow.providers.apache.kafka") is None:
             print(
-                "bench: the upstream Kafka provider is not installed; install the bench extra first:\n"
-                '  .venv/bin/uv pip install --python .venv/bin/python -e ".[dev,bench]"',
+                "bench: the upstream Kafka provider is not installed; install the bench group first:\n"
+                '  .venv/bin/uv pip install --python .venv/bin/python -e ".[all]" --group dev --group bench',
                 file=sys.stderr,
             )
             return 2

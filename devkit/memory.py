@@ -18,7 +18,10 @@ import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Unpack
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
 
 from airflow_shared_stream_provider._core.dispositions import Disposition
 from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
@@ -65,14 +68,20 @@ class MemoryBroker:
 
     async def wait_for_messages(self, timeout: float | None = None) -> bool:
         """Wait until a message is available; False if ``timeout`` passed first (an empty receive)."""
+        if self.available:
+            return True  # no suspension, as on a broker whose client buffer holds messages
         if self._arrived is None:
             self._arrived = asyncio.Event()
+        arrived = self._arrived
+
+        async def until_available() -> None:
+            while not self.available:
+                arrived.clear()
+                await arrived.wait()
+
         try:
-            async with asyncio.timeout(timeout):
-                while not self.available:
-                    self._arrived.clear()
-                    await self._arrived.wait()
-        except TimeoutError:
+            await asyncio.wait_for(until_available(), timeout)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             return False
         return True
 
@@ -106,6 +115,9 @@ QUIET_POLL = 0.2
 class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, MemoryDelivery]):
     broker = "kafka"
 
+    # The most bytes the stream's gate held at once while this producer ran (_core/flow.py).
+    peak_held_bytes = 0
+
     def source_label(self) -> str:
         return f"memory://{self.settings.broker_name}"
 
@@ -118,7 +130,10 @@ class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, 
                 self.deferred.release_all()  # an empty receive, as on a real broker
                 continue
             credit = await self.wait_for_credit()
-            while credit > 0 and broker.available:
+            # The byte budget is checked again for every message: this broker hands out one
+            # message at a time, so the budget holds from the first message on, before the size
+            # estimate has seen one (a real receive call is sized once, see _core/flow.py).
+            while credit > 0 and broker.available and self.gate.byte_credit() > 0:
                 raw = broker.available.popleft()
                 raw.attempts += 1
                 broker.in_flight[raw.message_id] = raw
@@ -132,7 +147,9 @@ class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, 
                     metadata={"lane": raw.lane},
                 )
                 self.counters.add("received")
-                message = self.stream_message(envelope, forced)
+                message = self.stream_message(envelope, forced, raw.body)
+                # Held bytes only grow here: their peak is what the byte budget bounds.
+                self.peak_held_bytes = max(self.peak_held_bytes, self.gate.held_bytes)
                 yield message, MemoryDelivery(message, raw.attempts, raw)
                 credit -= 1
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from order_events import output_dir, unique_envelopes
@@ -58,8 +58,8 @@ def order_minute(envelope: Mapping[str, Any]) -> str:
         return "unknown"
     moment = datetime.fromisoformat(str(raw).replace("Z", "+00:00"))
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M")
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M")
 
 
 def order_rows(envelopes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -182,7 +182,7 @@ def build_orders_spark_pipeline(
     SparkContext call, which Spark Connect does not offer).
 
     Returns None (no Dag) when the Spark provider is not installed:
-    ``pip install 'airflow-shared-stream-provider[spark]'``.
+    ``pip install apache-airflow-providers-apache-spark pyspark`` (a checkout's ``spark`` dependency group).
     """
     try:
         import airflow.providers.apache.spark.decorators.pyspark  # noqa: F401

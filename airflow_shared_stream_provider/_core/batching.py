@@ -207,7 +207,7 @@ class _Pump:
         if self.buffer or self.ended:
             return
         self.wake.clear()
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.wake.wait(), timeout)
 
     async def close(self) -> None:

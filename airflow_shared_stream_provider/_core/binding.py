@@ -15,44 +15,44 @@ whose event did not bind, and the producer redelivers it: at worst a duplicate.
 
 Everything here reads private state of ``airflow.triggers.shared_stream`` (the reject context the
 manager sets while a raw event is in a watcher's hands, the outstanding entry and its binding).
-If that state is not there (another Airflow version), :func:`was_bound` answers True: the
-watcher behaves as before this check.
+Those parts are listed and checked in :mod:`.airflow_internals`; a stream does not start without
+them (the producer's ``open_stream`` checks first, and a watcher holds a raw event only after
+that), so nothing here falls back: a part missing here would be a bug of that check, and raises.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-_window_context: Any
-try:  # Airflow 3.3: the binding window in scope while a watcher filters a raw event
-    from airflow.triggers.shared_stream import _reject_context as _window_context
-except ImportError:  # pragma: no cover - other Airflow versions
-    _window_context = None
+# The module, not its private names: importing this file (Dag parsing imports the trigger modules)
+# must not fail on another Airflow; the check at stream start is the one place that reports it.
+from airflow.triggers import shared_stream as _shared_stream
 
-
-def current_window() -> Any:
-    """The manager's binding window of the raw event this watcher holds now, or None if unknown."""
-    if _window_context is None:
-        return None
-    return _window_context.get()
+if TYPE_CHECKING:
+    from airflow.triggers.shared_stream import _RejectContext
 
 
-def was_bound(window: Any) -> bool:
+def current_window() -> _RejectContext | None:
+    """
+    The manager's binding window of the raw event this watcher holds now; None outside one (the
+    filter driven without a manager, as some unit tests do).
+    """
+    return _shared_stream._reject_context.get()
+
+
+def was_bound(window: _RejectContext | None) -> bool:
     """
     After the runner took the event yielded in ``window`` (it asks for the next item only after
     binding): True if a persist seq is bound to it, or if there is nothing left to protect (the
-    watcher's share of the raw event already resolved) or nothing known; False only when the
-    binding is there, open, and empty: the manager would take the event as persisted.
+    watcher's share of the raw event already resolved, or no manager window at all); False only
+    when the binding is there, open, and empty: the manager would take the event as persisted.
     """
     if window is None:
-        return True
-    try:
-        entry = window.group._outstanding.get(window.event_id)
-        if entry is None:
-            return True
-        binding = entry.bindings.get(window.trigger_id)
-        if binding is None:
-            return True  # resolved already (failed or rejected): the mark changes nothing
-        return bool(binding.unconfirmed_seqs)
-    except AttributeError:  # pragma: no cover - another Airflow's internals
-        return True
+        return True  # no manager window: no ack accounting the event could escape
+    entry = window.group._outstanding.get(window.event_id)
+    if entry is None:
+        return True  # no longer outstanding (advanced, or its group stopped): nothing left to protect
+    binding = entry.bindings.get(window.trigger_id)
+    if binding is None:
+        return True  # resolved already (failed or rejected): the mark changes nothing
+    return bool(binding.unconfirmed_seqs)

@@ -44,6 +44,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from airflow_shared_stream_provider._core.airflow_internals import require_airflow_internals
 from airflow_shared_stream_provider._core.state_store import StateStore, read_quietly, write_all
 
 log = logging.getLogger(__name__)
@@ -85,16 +86,17 @@ def stores_of(accessors: Any) -> list[tuple[str, StateStore]]:
     ``(asset name or uri, accessor)`` for every asset a watcher trigger watches.
 
     ``BaseEventTrigger.asset_state_store`` (Airflow 3.3) is an ``AssetStateStoreAccessors`` the
-    triggerer injects; it offers no public listing of its assets, so its two name/uri maps are read
-    (None outside a triggerer, e.g. in unit tests: then the cohort relies on the settle time).
+    triggerer injects; it offers no public listing of its assets, so its two private name/uri maps
+    are read (None outside a triggerer, e.g. in unit tests: then the cohort relies on the settle
+    time). A watcher calls this as it subscribes, before its group's producer opens the stream, so
+    the Airflow internals are checked here first (:mod:`.airflow_internals`): on an Airflow without
+    those maps the watcher fails with that check's error instead of running without its cohort.
     """
     if accessors is None:
         return []
-    found: list[tuple[str, StateStore]] = []
-    for attribute in ("_by_name", "_by_uri"):
-        mapping = getattr(accessors, attribute, None)
-        if isinstance(mapping, dict):
-            found.extend((str(name), accessor) for name, accessor in mapping.items())
+    require_airflow_internals()
+    found: list[tuple[str, StateStore]] = [(str(name), store) for name, store in accessors._by_name.items()]
+    found.extend((str(uri), store) for uri, store in accessors._by_uri.items())
     return sorted(found, key=lambda pair: pair[0])
 
 
@@ -241,5 +243,5 @@ class Cohort:
         if self._changed is None:
             self._changed = asyncio.Event()
         self._changed.clear()
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout)

@@ -11,6 +11,9 @@ Rules every reader keeps:
 * extras may carry the legacy ``extra__<conn type>__`` prefix, as the upstream hooks accept;
 * nothing read here reaches a log line or an error message: ``describe()`` says where without
   secrets, and errors name the extra or field, never its value;
+* nothing read here shows in a ``repr`` either (tracebacks with locals, Sentry, debuggers print
+  dataclasses through it): every dataclass below prints only what ``describe()`` says, or hides
+  its secret fields;
 * a configuration mistake is a :class:`SharedStreamConfigError` that names the connection
   (:func:`config_error`), so the watchers' failure says what to fix.
 """
@@ -22,8 +25,9 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit, urlunsplit
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 
@@ -74,6 +78,13 @@ class AwsConnection:
     verify: bool | str | None
     connection_found: bool
 
+    def __repr__(self) -> str:
+        # Replaces the generated repr, which printed the secret key and session token (and
+        # assume_role_kwargs / config_kwargs, which may hold an ExternalId or proxy credentials).
+        return f"AwsConnection({self.describe()})"
+
+    __str__ = __repr__
+
     def describe(self) -> str:
         """Secret-free description for logs and errors."""
         creds = (
@@ -83,10 +94,22 @@ class AwsConnection:
         )
         parts = [f"region={self.region_name or '<chain default>'}", f"credentials={creds}"]
         if self.endpoint_url:
-            parts.append(f"endpoint_url={self.endpoint_url}")
+            parts.append(f"endpoint_url={without_userinfo(self.endpoint_url)}")
         if self.role_arn:
             parts.append(f"role_arn={self.role_arn}")
         return ", ".join(parts)
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` without a ``user:password@`` part (an endpoint or proxy URL may carry one)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"<redacted>@{host}"))
 
 
 async def load_aws_connection(
@@ -192,7 +215,7 @@ CLOUD_PLATFORM_SCOPE: Final = "https://www.googleapis.com/auth/cloud-platform"
 class GcpConnection:
     """What a Google client is built from (never logged: holds credentials)."""
 
-    credentials: Credentials | None
+    credentials: Credentials | None = field(repr=False)
     project: str | None
     emulator_host: str | None
 
@@ -299,7 +322,13 @@ def _impersonation_chain(value: Any) -> list[str]:
 
 # -- azure_service_bus ---------------------------------------------------------------------------------
 _UNSET_VALUES: Final = ("", "none", "null")
-_ENDPOINT = re.compile(r"(?i)(?:^|;)\s*Endpoint\s*=\s*([^;]+)")
+# Only a scheme and a host name (and port) are ever taken from the Endpoint: a string separated by
+# "," or newlines instead of ";" must not let SharedAccessKey=... ride along into a log line.
+_ENDPOINT = re.compile(
+    r"(?i)(?:^|[;,\s])Endpoint\s*=\s*(?P<endpoint>(?:sb|amqps?|https?)://[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?(?::\d{1,5})?)"
+    r"/?(?=$|[;,\s])"
+)
+_HOST_NAME = re.compile(r"(?i)[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?(?::\d{1,5})?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,18 +336,28 @@ class ServiceBusConnectionInfo:
     """How to reach the namespace, read from an ``azure_service_bus`` Airflow connection."""
 
     conn_id: str
-    connection_string: str | None = None
+    connection_string: str | None = field(default=None, repr=False)
     fully_qualified_namespace: str | None = None
     managed_identity_client_id: str | None = None
     workload_identity_tenant_id: str | None = None
+
+    def __repr__(self) -> str:
+        # Replaces the generated repr, which printed the connection string (its SharedAccessKey).
+        return f"ServiceBusConnectionInfo({self.describe()})"
+
+    __str__ = __repr__
 
     def describe(self) -> str:
         """The namespace without secrets, for logs and errors."""
         if self.connection_string is not None:
             match = _ENDPOINT.search(self.connection_string)
-            endpoint = match.group(1).strip() if match else "<no Endpoint>"
+            endpoint = match.group("endpoint") if match else "<Endpoint not readable>"
             return f"{endpoint} (connection {self.conn_id!r}, connection string)"
-        return f"{self.fully_qualified_namespace} (connection {self.conn_id!r}, DefaultAzureCredential)"
+        # A namespace is a host name; anything else (a connection string pasted into the host
+        # field) is not echoed.
+        namespace = self.fully_qualified_namespace or ""
+        shown = namespace if _HOST_NAME.fullmatch(namespace) else "<namespace not readable>"
+        return f"{shown} (connection {self.conn_id!r}, DefaultAzureCredential)"
 
 
 def _unset(value: Any) -> bool:

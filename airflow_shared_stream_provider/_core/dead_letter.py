@@ -2,6 +2,11 @@
 What a dead-lettered message carries besides its own data, the same on every broker: the original
 attributes (headers, properties) first and never dropped, then ``x-dead-letter-*`` fields saying
 why, from where and which message, as many as the broker's attribute limit leaves room for.
+
+The ``x-dead-letter-*`` names belong to the provider: on a dead-letter copy they are only ever the
+provider's own fields. A sender's attribute under such a name (a forged reason, or the fields of an
+earlier dead-lettering when a DLQ is replayed) is kept but renamed ``x-original-<name>``
+(:func:`disown_dead_letter_names`), so a DLQ consumer can trust what the names say.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ PREFIX: Final = "x-dead-letter-"
 REASON: Final = PREFIX + "reason"
 SOURCE: Final = PREFIX + "source"
 MESSAGE_ID: Final = PREFIX + "message-id"
+ORIGINAL_PREFIX: Final = "x-original-"
+"""Put in front of a sender's ``x-dead-letter-*`` attribute name on a dead-letter copy."""
 
 
 # Characters XML 1.0 allows, which SQS requires of message attribute values (anything else makes
@@ -45,6 +52,27 @@ def dead_letter_fields(*, reason: str, source: str, message_id: str, **more: str
     for name, value in more.items():
         fields[PREFIX + name.replace("_", "-")] = value
     return fields
+
+
+def disown_dead_letter_names(attributes: Mapping[str, V], *, max_name_bytes: int) -> dict[str, V]:
+    """
+    ``attributes`` (in order) with every name that starts with ``x-dead-letter-`` (any case)
+    renamed ``x-original-<name>``, prefixed again while that name is taken, so none is lost to a
+    collision. A renamed name longer than ``max_name_bytes`` in UTF-8 (the broker's limit) is
+    dropped: sending it would fail the whole batch, and it is a claim of the sender's, not data.
+    """
+    renamed: dict[str, V] = {}
+    for name, value in attributes.items():
+        if name.lower().startswith(PREFIX):
+            new_name = ORIGINAL_PREFIX + name
+            while new_name in attributes or new_name in renamed:
+                new_name = ORIGINAL_PREFIX + new_name
+            if len(new_name.encode("utf-8", "surrogatepass")) > max_name_bytes:
+                continue
+            renamed[new_name] = value
+        else:
+            renamed[name] = value
+    return renamed
 
 
 def add_within_limit(attributes: dict[str, V], extra: Mapping[str, V], *, limit: int, overwrite: bool) -> dict[str, V]:

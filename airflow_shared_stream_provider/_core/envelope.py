@@ -9,7 +9,8 @@ metadata DB. Keys (always present):
 ``broker``          ``"kafka" | "sqs" | "pubsub" | "servicebus"``
 ``source``          topic / queue URL / subscription path / entity path the message came from
 ``message_id``      stable per broker message (Kafka: ``"topic/partition/offset"``): dedup on it
-``body``            parsed JSON if the bytes are JSON, else UTF-8 text, else base64 text
+``body``            parsed JSON if the bytes are JSON nested at most :data:`MAX_BODY_DEPTH` levels,
+                    else UTF-8 text, else base64 text
 ``body_encoding``   ``"json" | "text" | "base64"`` (``"none"`` when dropped for size)
 ``attributes``      headers / message attributes / application properties, ``str -> str``
 ``published_at``    ISO-8601 UTC timestamp of the broker's publish/enqueue time, or ``None``
@@ -25,6 +26,12 @@ follows ``oversize_policy``:
 * ``"truncate"``: the event fires with ``body=None``, ``body_encoding="none"``,
   ``body_truncated=True`` and ``body_bytes=<size>``; attributes and metadata are kept so a Dag can
   locate the original. The broker message is then committed like any other.
+
+Depth cap: JSON nested deeper than :data:`MAX_BODY_DEPTH` is delivered as its text with
+``body_depth_exceeded=True``, so every payload stays serialisable by recursive serialisers.
+
+Never raises: :func:`build_envelope` takes any bytes; :func:`fallback_envelope` is what a producer
+delivers (forced-rejected, so dead-lettered intact) should building one fail anyway.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import base64
 import binascii
 import json
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any, Final, Literal, Protocol
 
 import msgspec
@@ -47,6 +54,17 @@ DEFAULT_MAX_PAYLOAD_BYTES: Final = 65536
 # exact (costly) serialization for the size check is skipped.
 _JSON_WORST_CASE_GROWTH: Final = 6
 _ENVELOPE_OVERHEAD: Final = 512
+
+MAX_BODY_DEPTH: Final = 64
+"""
+Deepest JSON body delivered as JSON (``[]`` is 1 level, ``[[]]`` 2). A payload is serialised by
+recursive code: ``json.dumps`` (1 frame per level), Airflow's serde and ``BaseSerialization`` (2
+per level: 397 levels is their limit when the caller is 200 frames deep, measured on 3.3.2), the
+triggerer's pydantic + msgpack frame (~790 then), and whatever a Dag does with it. The envelope
+and a batch add 3 levels. 64 keeps a 6x margin under the tightest of those while 200 frames deep,
+and is far above what real messages nest; deeper bodies are delivered as text (flagged), which
+any serialiser takes.
+"""
 
 
 # The mark a watcher puts on a message while the runner takes its event (``_core/trigger.py``),
@@ -78,7 +96,7 @@ class StreamMessage:
     watchers only call :meth:`reject` / :meth:`fail`.
     """
 
-    __slots__ = ("culprit", "envelope", "failures", "forced_rejection", "rejections", "seq", "skip_for")
+    __slots__ = ("culprit", "envelope", "failures", "forced_rejection", "held_bytes", "rejections", "seq", "skip_for")
 
     def __init__(self, envelope: dict[str, Any], seq: int, forced_rejection: str | None = None) -> None:
         self.envelope = envelope
@@ -91,6 +109,8 @@ class StreamMessage:
         self.skip_for: frozenset[int] | None = None
         # A watcher failed *on* this message (not merely alongside it, in its batch).
         self.culprit = False
+        # What the producer counted against max_in_flight_bytes for it (_core/flow.py, byte budget).
+        self.held_bytes = 0
 
     def reject(self, reason: str) -> None:
         if self.rejections is None:
@@ -135,29 +155,73 @@ _JSON_FIRST_BYTES: Final = frozenset(char.encode() for char in _JSON_FIRST_CHARS
 # What msgspec raises for bytes that are not (storable) JSON: a parse error, invalid UTF-8 inside a
 # JSON string (UnicodeDecodeError), or nesting deeper than it recurses (RecursionError). Found by
 # the fuzz tests through the real brokers; each used to end the producer's receive loop.
-_NOT_JSON: Final = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+_NOT_JSON: Final = (msgspec.DecodeError, UnicodeDecodeError)
 
 
 def decode_body(data: bytes | str | None) -> tuple[Any, str]:
     """Decode message bytes: JSON if they parse (strictly), else UTF-8 text, else base64 (never raises)."""
+    decoded, encoding, _ = _decode(data)
+    return decoded, encoding
+
+
+def _decode(data: bytes | str | None) -> tuple[Any, str, bool]:
+    """:func:`decode_body` and whether the body was JSON nested deeper than :data:`MAX_BODY_DEPTH`."""
     if data is None:
-        return None, "json"
+        return None, "json", False
+    too_deep = False
     if isinstance(data, str):
         if data[:1] in _JSON_FIRST_CHARS:
             try:
-                return _decode_json(data), "json"
+                value = _decode_json(data)
             except _NOT_JSON:
                 pass
-        return data, "text"
+            except RecursionError:  # deeper than msgspec recurses from here: deeper than the cap too
+                too_deep = True
+            else:
+                if not _deeper_than(data.count("[") + data.count("{"), value, MAX_BODY_DEPTH):
+                    return value, "json", False
+                too_deep = True
+        return data, "text", too_deep
     if bytes(data[:1]) in _JSON_FIRST_BYTES:
         try:
-            return _decode_json(data), "json"
+            value = _decode_json(data)
         except _NOT_JSON:
             pass
+        except RecursionError:
+            too_deep = True
+        else:
+            if not _deeper_than(data.count(b"[") + data.count(b"{"), value, MAX_BODY_DEPTH):
+                return value, "json", False
+            too_deep = True
     try:
-        return bytes(data).decode("utf-8"), "text"
+        return bytes(data).decode("utf-8"), "text", too_deep
     except UnicodeDecodeError:
-        return base64.b64encode(data).decode("ascii"), "base64"
+        return base64.b64encode(data).decode("ascii"), "base64", too_deep
+
+
+def _deeper_than(openings: int, value: Any, limit: int) -> bool:
+    """
+    Whether a decoded JSON value nests more than ``limit`` containers deep, level by level (no
+    recursion). ``openings`` (the ``[`` and ``{`` in the text, a C-speed count that strings can only
+    inflate) bounds the depth: at most ``limit`` of them, the common case, needs no walk.
+    """
+    if openings <= limit:
+        return False
+    # msgspec decodes JSON to exact dict / list / scalars: ``type() is`` is enough, and one
+    # comprehension per level is ~4x faster than a loop over the items (0.3 ms for 2000 containers).
+    level = [value] if type(value) is list or type(value) is dict else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        level = [
+            child
+            for item in level
+            for child in (item.values() if type(item) is dict else item)
+            if type(child) is list or type(child) is dict
+        ]
+    return False
 
 
 def text_value(value: Any) -> str:
@@ -190,11 +254,11 @@ def iso_timestamp(value: datetime | float | int | None, *, unit: Literal["s", "m
     if unit == "ms" and isinstance(value, int):
         return iso_from_epoch_ms(value)
     if isinstance(value, datetime):
-        moment = value if value.tzinfo else value.replace(tzinfo=UTC)
+        moment = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
     else:
         seconds = float(value) / 1000.0 if unit == "ms" else float(value)
-        moment = datetime.fromtimestamp(seconds, tz=UTC)
-    return moment.astimezone(UTC).isoformat()
+        moment = datetime.fromtimestamp(seconds, tz=timezone.utc)
+    return moment.astimezone(timezone.utc).isoformat()
 
 
 _second_cache: tuple[int, str] = (-1, "")
@@ -217,7 +281,7 @@ def iso_from_epoch_ms(milliseconds: int) -> str:
     seconds, millis = divmod(milliseconds, 1000)
     cached_second, prefix = _second_cache
     if seconds != cached_second:
-        prefix = datetime.fromtimestamp(seconds, tz=UTC).isoformat()[: -len("+00:00")]
+        prefix = datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()[: -len("+00:00")]
         _second_cache = (seconds, prefix)
     text = f"{prefix}.{millis:03d}000+00:00" if millis else prefix + "+00:00"
     _last_stamp = (milliseconds, text)
@@ -253,12 +317,15 @@ def build_envelope(
     oversize_policy: OversizePolicy,
 ) -> tuple[dict[str, Any], str | None]:
     """
-    Build the envelope for one message and apply the size cap.
+    Build the envelope for one message and apply the size and depth caps.
 
     Returns ``(envelope, forced_rejection)``: ``forced_rejection`` is a reason string when the
     message is over the cap and the policy is ``dead_letter`` (every watcher must reject it).
+    Never raises on what a broker can carry (any body bytes, any ``str`` attributes): a body is
+    decoded without recursion limits mattering (see :data:`MAX_BODY_DEPTH`), and sizes are
+    measured without ``json.dumps`` failing (see :func:`_json_size`).
     """
-    decoded, encoding = decode_body(body)
+    decoded, encoding, too_deep = _decode(body)
     envelope: dict[str, Any] = {
         "broker": broker,
         "source": source,
@@ -270,6 +337,8 @@ def build_envelope(
         "delivery_attempt": delivery_attempt,
         "metadata": metadata,
     }
+    if too_deep:
+        envelope["body_depth_exceeded"] = True
     raw_size = len(body) if body is not None else 0
     attr_size = sum(len(k) + len(v) for k, v in attributes.items()) if attributes else 0
     # Everything else that can be long (source, id, metadata such as a Kafka key or an ordering
@@ -277,38 +346,128 @@ def build_envelope(
     other_size = len(source) + len(message_id) + _text_size(metadata)
     if (raw_size + attr_size + other_size) * _JSON_WORST_CASE_GROWTH + _ENVELOPE_OVERHEAD <= max_payload_bytes:
         return envelope, None
-    size = _json_size(envelope)
-    if size <= max_payload_bytes:
-        return envelope, None
-    reason = f"payload too large: envelope is {size} bytes, max_payload_bytes={max_payload_bytes}"
-    if oversize_policy == "dead_letter":
+    try:
+        size = _json_size(envelope)
+        if size <= max_payload_bytes:
+            return envelope, None
+        reason = f"payload too large: envelope is {size} bytes, max_payload_bytes={max_payload_bytes}"
         envelope["body"] = None
         envelope["body_encoding"] = "none"
         envelope["body_truncated"] = True
         envelope["body_bytes"] = raw_size
-        return envelope, reason
-    envelope["body"] = None
-    envelope["body_encoding"] = "none"
-    envelope["body_truncated"] = True
-    envelope["body_bytes"] = raw_size
-    if _json_size(envelope) > max_payload_bytes:
-        # Even without the body the attributes/metadata are over the cap: drop attributes too
-        # rather than write an unbounded row into the metadata DB.
-        envelope["attributes"] = {}
-        envelope["attributes_truncated"] = True
-    return envelope, None
+        if oversize_policy == "dead_letter":
+            return envelope, reason
+        if _json_size(envelope) > max_payload_bytes:
+            # Even without the body the attributes/metadata are over the cap: drop attributes too
+            # rather than write an unbounded row into the metadata DB.
+            envelope["attributes"] = {}
+            envelope["attributes_truncated"] = True
+        return envelope, None
+    except _UNSERIALISABLE as exc:
+        # Not from a body (capped in depth, decoded to JSON types): metadata a producer built
+        # that json.dumps refuses. Such an envelope would fail wherever it is stored: the
+        # message is dead-lettered instead, here too for callers without the producer's guard.
+        return fallback_envelope(
+            broker=broker,
+            source=source,
+            message_id=message_id,
+            body=body,
+            published_at=published_at,
+            delivery_attempt=delivery_attempt,
+            max_payload_bytes=max_payload_bytes,
+            error=exc,
+        )
+
+
+ENVELOPE_FAILED: Final = "envelope failed"
+"""The start of the dead-letter reason of a message whose envelope could not be built."""
+_REASON_DETAIL_CHARS: Final = 200
+
+
+def fallback_envelope(
+    *,
+    broker: str,
+    source: Any,
+    message_id: Any,
+    body: Any,
+    published_at: Any,
+    delivery_attempt: Any,
+    max_payload_bytes: int,
+    error: BaseException,
+) -> tuple[dict[str, Any], str]:
+    """
+    The envelope of a message :func:`build_envelope` failed on, and its forced rejection
+    (``envelope failed: <ExcType>: <message cut to 200 characters>``): every watcher rejects it, so
+    the producer dead-letters the original message intact with that reason. Built from plain
+    ``str`` / ``int`` / base64 values only, so that it cannot fail in turn: the body is the base64 of
+    the raw bytes when that fits ``max_payload_bytes`` (else ``None``, ``body_encoding="none"``);
+    attributes and metadata are left out (either may be what failed).
+    """
+    envelope: dict[str, Any] = {
+        "broker": broker,
+        "source": _plain_text(source),
+        "message_id": _plain_text(message_id),
+        "body": None,
+        "body_encoding": "none",
+        "attributes": {},
+        "published_at": published_at if isinstance(published_at, str) else None,
+        "delivery_attempt": delivery_attempt if type(delivery_attempt) is int else 1,
+        "metadata": {},
+        "envelope_error": True,
+    }
+    raw = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body
+    if isinstance(raw, bytes | bytearray | memoryview):
+        raw = bytes(raw)
+        # base64 is 4/3 of the bytes; the other fields are bounded by _plain_text.
+        if (len(raw) + 2) // 3 * 4 + 2 * _ENVELOPE_OVERHEAD <= max_payload_bytes:
+            envelope["body"] = base64.b64encode(raw).decode("ascii")
+            envelope["body_encoding"] = "base64"
+        else:
+            envelope["body_truncated"] = True
+            envelope["body_bytes"] = len(raw)
+    detail = _plain_text(error, limit=_REASON_DETAIL_CHARS)
+    return envelope, f"{ENVELOPE_FAILED}: {type(error).__name__}: {detail}"
+
+
+def _plain_text(value: Any, *, limit: int = 1024) -> str:
+    """``str(value)`` cut to ``limit`` characters, or a placeholder when rendering it fails."""
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except Exception:  # a broken __str__: the value is unusable, not the message
+        return f"<unprintable {type(value).__name__}>"
+    return text[:limit]
 
 
 def _text_size(metadata: Mapping[str, Any]) -> int:
-    """Characters of a flat metadata dict's keys and values (nested values by their ``str``)."""
+    """
+    Characters of a flat metadata dict's keys and values (nested values by their ``str``). Only
+    decides whether the exact measure runs: a value that cannot be rendered counts as unbounded.
+    """
     size = 0
     for key, value in metadata.items():
-        size += len(key) + (len(value) if isinstance(value, str) else len(str(value)) if value is not None else 0)
+        if isinstance(value, str):
+            size += len(key) + len(value)
+        elif value is not None:
+            try:
+                size += len(key) + len(str(value))
+            except Exception:  # deep nesting (RecursionError) or a broken __str__
+                return _UNBOUNDED
     return size
 
 
+_UNBOUNDED: Final = 1 << 62
+# What json.dumps raises on a value it cannot write: nesting deeper than the stack allows, a
+# circular reference (ValueError), a key of no JSON type (TypeError), or whatever a value's
+# ``__str__`` raises (``default=str``).
+_UNSERIALISABLE: Final = (Exception,)
+
+
 def _json_size(envelope: Mapping[str, Any]) -> int:
-    """Size of the envelope as JSON, non-ASCII escaped (never less than its UTF-8 bytes)."""
+    """
+    Size of the envelope as JSON, non-ASCII escaped (never less than its UTF-8 bytes). Bodies are
+    at most :data:`MAX_BODY_DEPTH` deep, so this does not recurse far on anything a broker sent;
+    raises one of :data:`_UNSERIALISABLE` on a value the envelope must not carry.
+    """
     return len(json.dumps(envelope, separators=(",", ":"), default=str))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from airflow.exceptions import AirflowOptionalProviderFeatureException
+
 
 class RejectMessage(Exception):  # noqa: N818 - the name reads as an instruction in filter code
     """
@@ -52,9 +54,45 @@ class BrokerHandleClosedError(RuntimeError):
     """``advance`` was called after the broker connection was closed; the batch is not advanced."""
 
 
-def missing_dependency(extra: str, package: str, exc: ImportError) -> ImportError:
+class AirflowInternalsError(RuntimeError):
+    """
+    The installed Airflow lacks a private part of its triggerer that the provider relies on
+    (:mod:`._core.airflow_internals`; docs/development.md, "Airflow internals we rely on").
+
+    Raised when a stream starts (the producer's ``open_stream``, or a watcher reading its asset
+    state stores as it subscribes), before any message is read: the group fails and every watcher
+    sees this error (the manager's terminal path); the triggerer re-creates the triggers, and they
+    fail the same way until Airflow is a version the provider was tested with. Nothing is read,
+    so nothing is settled or lost. The message names the Airflow version and every missing part.
+    """
+
+    def __init__(self, airflow_version: str, missing: list[str], *, tested: str) -> None:
+        self.airflow_version = airflow_version
+        self.missing = list(missing)
+        self.tested = tested
+        lines = "\n".join(f"  - {part}" for part in self.missing)
+        super().__init__(
+            f"airflow-shared-stream-provider cannot run shared streams on Airflow {airflow_version}: "
+            f"{len(self.missing)} private part(s) of Airflow it relies on are missing or changed:\n{lines}\n"
+            f"The provider is tested with {tested}; install such a version (the stream refuses to run "
+            "rather than run without these guarantees)."
+        )
+
+
+class MissingBrokerSDKError(AirflowOptionalProviderFeatureException, ImportError):
+    """
+    A broker SDK (an optional extra) is not installed; raised when a producer module is imported.
+
+    Airflow's convention for an optional provider feature: ``ProvidersManager`` logs a class whose
+    import raises it as an optional feature that is disabled, not as a broken provider. It is also
+    an :class:`ImportError`, so code guarding the import with ``except ImportError`` keeps working.
+    The message names the extra to install (``pip install 'airflow-shared-stream-provider[kafka]'``).
+    """
+
+
+def missing_dependency(extra: str, package: str, exc: ImportError) -> MissingBrokerSDKError:
     """Turn an ImportError of a broker SDK into one that says which extra to install."""
-    error = ImportError(
+    error = MissingBrokerSDKError(
         f"{package} is required for this shared stream: pip install 'airflow-shared-stream-provider[{extra}]' ({exc})"
     )
     error.__cause__ = exc

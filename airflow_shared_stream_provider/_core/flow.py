@@ -47,6 +47,24 @@ triggerer killed more often than that made no commit progress at all (docs/relia
 loops: Kafka re-read a growing backlog for 13 triggerer lives). Costs a few persistence rounds of
 throughput at start, nothing after.
 
+Memory is bounded in bytes too, not only in messages: every message in flight keeps its raw body
+(for the dead-letter path) and its envelope, and a backlog of maximum-size messages (Pub/Sub 10 MB,
+Service Bus Premium 100 MB) at ``max_in_flight`` messages would run the shared triggerer out of
+memory. The producer reports what each message it holds weighs (:meth:`FlowGate.hold_bytes`, an
+estimate: raw body, attributes, envelope) and gives it back when the message is advanced or
+abandoned (:meth:`FlowGate.release_bytes`). Invariant: a receive starts only while the held bytes
+are below ``max_in_flight_bytes``, and asks for at most ``remaining / size estimate`` messages
+(:meth:`FlowGate.byte_credit`), the estimate being a decaying maximum of the recent message sizes,
+and before the first message the broker's maximum message size (:meth:`FlowGate.expect_size`): a
+restart that finds a backlog of maximum-size messages must not fetch a whole receive's worth of them
+before it knows their size (that first receive asks for at least :data:`MIN_START_IN_FLIGHT`
+messages, though: it may overshoot by that many). So with messages of one size the stream holds at
+most the budget plus one message; a message larger than the budget still flows, alone (at least one
+message may always be in flight: an empty stream always has credit for one), and is then bounded by
+the broker's own maximum. Messages larger than the estimate overshoot by at most what one receive
+call brings. What an SDK buffers by count ahead of a receive (Service Bus ``prefetch_count``) is
+reserved at the estimate (:attr:`FlowGate.buffered_messages`), up to half the budget.
+
 One :class:`FlowGate` exists per shared-stream key per process, shared by the producer and the
 watchers through :data:`gates` (the manager gives neither side a handle on the other).
 """
@@ -69,6 +87,11 @@ MIN_BATCHES_IN_FLIGHT: Final = 2
 # Slow start (see the module docstring): the events a new producer's first round may fan out.
 SLOW_START_EVENTS: Final = 512
 MIN_START_IN_FLIGHT: Final = 16
+# Bytes of held messages a stream may have in flight by default (see _core/settings.py).
+DEFAULT_MAX_IN_FLIGHT_BYTES: Final = 64 * 1024 * 1024
+# The size estimate decays by 1/2**SIZE_ESTIMATE_DECAY_SHIFT per message smaller than it: a single
+# 10 MB message among 1 KB ones stops limiting the credit after ~150 messages.
+SIZE_ESTIMATE_DECAY_SHIFT: Final = 4
 
 
 def scaled_window(configured: int, watchers: int) -> int:
@@ -97,6 +120,15 @@ class FlowGate:
         self._configured_in_flight = 10_000
         self._max_in_flight = 10_000
         self._batch_bytes = 0
+        # Messages per unit the gate counts (batch_size in batch mode, else 1).
+        self._unit = 1
+        # Byte budget (see the module docstring): bytes the producer holds now, the budget, the
+        # decaying maximum of recent message sizes, and messages an SDK buffers by count.
+        self.held_bytes = 0
+        self.max_in_flight_bytes = DEFAULT_MAX_IN_FLIGHT_BYTES
+        self._size_estimate = 0
+        self._size_seen = False
+        self.buffered_messages = 0
         # Slow start: the in-flight limit while it ramps up (None: ramped up; -1: starts at the
         # first credit, once the cohort of watchers is known).
         self._ramp: int | None = None
@@ -145,10 +177,64 @@ class FlowGate:
         self._configured_in_flight = configured
         self._rescale()
 
-    def count_batches(self, batch_bytes: int) -> None:
-        """Batch mode: the gate counts batches whose watcher events carry up to ``batch_bytes`` each."""
+    def count_batches(self, batch_bytes: int, batch_size: int = 1) -> None:
+        """
+        Batch mode: the gate counts batches of up to ``batch_size`` messages whose watcher events
+        carry up to ``batch_bytes`` each.
+        """
         self._batch_bytes = batch_bytes
+        self._unit = max(1, batch_size) if batch_bytes > 0 else 1
         self._rescale()
+
+    # -- byte budget ---------------------------------------------------------------------------
+    @property
+    def size_estimate(self) -> int:
+        """The decaying maximum of recent message sizes (0 before the first message)."""
+        return self._size_estimate
+
+    def expect_size(self, nbytes: int) -> None:
+        """Until the first message is held, estimate its size as ``nbytes`` (the broker's maximum)."""
+        if not self._size_seen:
+            self._size_estimate = nbytes
+
+    def hold_bytes(self, nbytes: int) -> None:
+        """The producer holds one more message of ``nbytes`` (until :meth:`release_bytes`)."""
+        self.held_bytes += nbytes
+        if not self._size_seen:
+            self._size_seen = True
+            self._size_estimate = nbytes  # the first message replaces the prior
+            return
+        estimate = self._size_estimate
+        self._size_estimate = nbytes if nbytes >= estimate else estimate - (estimate >> SIZE_ESTIMATE_DECAY_SHIFT)
+
+    def release_bytes(self, nbytes: int) -> None:
+        """Held messages of ``nbytes`` in all left flight (the caller then calls :meth:`advanced`)."""
+        self.held_bytes -= nbytes
+
+    def byte_credit(self) -> int:
+        """
+        How many messages the byte budget lets a receive ask for now: none while the held bytes
+        (plus the SDK's buffered messages, at the estimate) reach the budget, except one when
+        nothing is held; else the remaining bytes at the size estimate, at least one.
+        """
+        held = self.held_bytes
+        estimate = self._size_estimate
+        budget = self.max_in_flight_bytes
+        # At most half the budget: an SDK buffer larger than that is over the budget whatever we
+        # receive, and shrinking our share further would only cost throughput (one message per
+        # persistence round) without bounding it; the docs say to lower prefetch_count instead.
+        remaining = budget - held - min(self.buffered_messages * estimate, budget // 2)
+        if remaining <= 0:
+            return 0 if held > 0 else 1
+        if estimate <= 0:
+            return remaining  # nothing seen yet: the message bounds decide (one receive may overshoot)
+        if not self._size_seen:
+            # The first receive, sized at the broker's maximum, but not below slow start's first
+            # round: a smaller one would change how every stream starts, not only those of large
+            # messages (Pub/Sub hands out an ordering key's next messages only once the earlier
+            # ones are acked, so a first pull of a few would leave the rest waiting a round).
+            return max(MIN_START_IN_FLIGHT, remaining // estimate)
+        return max(1, remaining // estimate)
 
     @property
     def produced(self) -> int:
@@ -204,7 +290,13 @@ class FlowGate:
         if by_lag <= 0:
             by_lag = window - (self._produced - self._recompute_floor())
         by_flight = self.in_flight_limit - self.in_flight
-        return max(0, min(by_lag, by_flight))
+        by_bytes = self.byte_credit()
+        if by_bytes <= 0:
+            return 0
+        unit = self._unit
+        if unit > 1:
+            by_bytes = -(-by_bytes // unit)  # batches; the producer caps the messages (credit())
+        return max(0, min(by_lag, by_flight, by_bytes))
 
     async def wait_for_credit(self) -> int:
         """Wait until at least one message may be yielded; return the available credit."""

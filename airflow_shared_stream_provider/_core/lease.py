@@ -151,7 +151,7 @@ class LeaseKeeper(Generic[HandleT]):
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=timeout)
                 continue  # a new lease may be due earlier: recompute
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 pass
             try:
                 await self.renew_due(self._now())

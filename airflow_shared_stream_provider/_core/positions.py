@@ -209,11 +209,11 @@ class WatcherPositions:
     async def flush(self, positions_of: Callable[[PositionMember], dict[str, int] | None], timeout: float) -> None:
         """A last write (the stream closes): bounded, best effort."""
         if self._writer is not None and not self._writer.done():
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 await asyncio.wait_for(asyncio.shield(self._writer), timeout)
         self.schedule_write(positions_of)
         if self._writer is not None and not self._writer.done():
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 await asyncio.wait_for(self._writer, timeout)
 
     async def close(self) -> None:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Final, Generic, TypeVar
 
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
+from airflow_shared_stream_provider._core.airflow_internals import require_airflow_internals
 from airflow_shared_stream_provider._core.batching import BATCH_OVERHEAD, Batcher, MessageBatch, batched_stream
 from airflow_shared_stream_provider._core.cohort import cohort_limits, cohort_record_enabled, record_key
 from airflow_shared_stream_provider._core.dispositions import COMMIT_DECISION, Decision, Disposition, decide
@@ -28,9 +29,11 @@ from airflow_shared_stream_provider._core.envelope import (
     DeliveryLike,
     StreamMessage,
     build_envelope,
+    fallback_envelope,
     unrecorded_only,
 )
 from airflow_shared_stream_provider._core.flow import FlowGate, gates
+from airflow_shared_stream_provider._core.logsafe import REASON_LOG_LIMIT, log_safe
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 from airflow_shared_stream_provider._core.release import ENTRIES_PER_MESSAGE, DeferredRelease
 from airflow_shared_stream_provider._core.settings import StreamSettings
@@ -39,6 +42,27 @@ from airflow_shared_stream_provider._core.tasks import cancel_and_wait
 
 DEFAULT_QUEUE_SIZE = 1024
 DEFAULT_ACK_TIMEOUT = 300.0
+# Byte budget (_core/flow.py): what one held message weighs besides its body, attributes and
+# envelope body (the message and delivery objects, the envelope's other fields, the manager's
+# bookkeeping), and the share of max_in_flight_bytes advanced messages may wait in ``deferred``.
+HELD_OVERHEAD: Final = 1024
+DEFERRED_BYTES_SHARE: Final = 8
+# The largest message each broker takes (Kafka: the default ``message.max.bytes``; SQS since 2025,
+# 256 KiB before; Pub/Sub; Service Bus Premium, Standard takes 256 KiB): the size the byte budget
+# assumes for a stream's first receive, before it has seen a message (_core/flow.py).
+BROKER_MAX_MESSAGE_BYTES: Final[dict[str, int]] = {
+    "kafka": 1024 * 1024,
+    "sqs": 1024 * 1024,
+    "pubsub": 10 * 1000 * 1000,
+    "servicebus": 100 * 1024 * 1024,
+}
+
+
+def body_size(body: object) -> int:
+    """Bytes a raw body keeps alive: its length for bytes-like and text bodies, else 0 (unknown)."""
+    if isinstance(body, bytes | bytearray | memoryview | str):
+        return len(body)
+    return 0
 
 
 @dataclass(slots=True)
@@ -139,8 +163,8 @@ def held_release_limit(queue_size: int, max_in_flight: int) -> int:
     Not lower: one advance batch can be a whole persistence round of messages (50 ms at 25k msgs/s
     is 1250, more than a window), and what a batch brings over the limit is freed in one burst
     (measured at N=1: one window 323-326 young collections per 20k messages, two or four 290-309).
-    Not higher: held messages add to the memory of those in flight; users with large messages
-    bound both with ``max_in_flight``.
+    Not higher: held messages add to the memory of those in flight; with large messages their
+    bytes are capped besides (a share of ``max_in_flight_bytes``, :meth:`_defer_release`).
     """
     return ENTRIES_PER_MESSAGE * min(max_in_flight, 2 * flow_window(queue_size))
 
@@ -169,6 +193,12 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         self.max_envelope_bytes = settings.max_payload_bytes - (BATCH_OVERHEAD if self.batching else 0)
         self._unbatched = 0
         self._batches_in_flight = 0
+        # Byte budget (_core/flow.py): what this producer counted on the gate and not yet gave back,
+        # and an upper bound of what ``deferred`` holds (advanced messages freed gradually), which
+        # stays within ``max_in_flight_bytes / DEFERRED_BYTES_SHARE``.
+        self._held_bytes = 0
+        self._deferred_bytes = 0
+        self._deferred_bytes_limit = settings.max_in_flight_bytes // DEFERRED_BYTES_SHARE
         # Split detection (see _core/split.py), started once the cohort formed.
         self.split_watch: SplitWatch | None = None
         self._split_task: asyncio.Future[None] | None = None
@@ -222,7 +252,20 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             gate.window = flow_window(self.queue_size)
             # In batch mode the gate counts batches (what the watchers' queues hold).
             gate.max_in_flight = -(-self.settings.max_in_flight // self.batch_size)
-            gate.count_batches(self.settings.max_payload_bytes if self.batching else 0)
+            gate.count_batches(self.settings.max_payload_bytes if self.batching else 0, self.batch_size)
+            gate.max_in_flight_bytes = self.settings.max_in_flight_bytes
+            # An SDK that buffers by count ahead of a receive (Service Bus prefetch_count, per
+            # session receiver) holds that many more messages outside our credit: reserved at the
+            # size estimate.
+            settings = self.settings
+            receivers = getattr(settings, "max_concurrent_sessions", 1) if getattr(settings, "sessions", False) else 1
+            gate.buffered_messages = getattr(settings, "prefetch_count", 0) * receivers
+            if not gate.buffered_messages:
+                # The first receive assumes maximum-size messages. Not with a prefetching SDK: it
+                # buffers its prefetch whatever that receive asks for, so a smaller first receive
+                # would bound nothing and only change the order receives take messages in.
+                largest = BROKER_MAX_MESSAGE_BYTES[self.broker]
+                gate.expect_size(largest + min(largest, self.max_envelope_bytes) + HELD_OVERHEAD)
             gate.unfreeze()  # a new group: a stop seen by the previous one is over
             gate.begin_slow_start()
             self._fired_reported = gate.fired  # the gate may outlive an earlier producer
@@ -264,7 +307,8 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         """How many messages may be received now (the gate's credit; in batch mode, batches of them)."""
         if not self.batching:
             return self.gate.credit()
-        return max(0, self.gate.credit() * self.batch_size - self._unbatched)
+        gate = self.gate
+        return max(0, min(gate.credit() * self.batch_size - self._unbatched, gate.byte_credit()))
 
     async def wait_for_credit(self) -> int:
         """Wait until at least one message may be received; return how many may be."""
@@ -289,26 +333,111 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         published_at: str | None,
         delivery_attempt: int,
         metadata: dict[str, Any],
+        unreadable: BaseException | None = None,
     ) -> tuple[dict[str, Any], str | None]:
-        return build_envelope(
+        """
+        The envelope of one message and its forced rejection (see :func:`build_envelope`).
+
+        The envelope stage guard: this runs in the receive loop, where an exception would end the
+        stream (every watcher fails) and the message would come back to fail again on every
+        restart. Whatever building the envelope raises, the message is forced-rejected instead
+        (``envelope failed: <ExcType>: ...``, see :func:`fallback_envelope`), so every watcher
+        rejects it and it is dead-lettered intact with that reason. ``unreadable``: the error a
+        broker's own conversion of the message (an AMQP value body, say) already met; the message
+        takes the same path without a try.
+        """
+        if unreadable is None:
+            try:
+                return build_envelope(
+                    broker=self.broker,
+                    source=source,
+                    message_id=message_id,
+                    body=body,
+                    attributes=attributes,
+                    published_at=published_at,
+                    delivery_attempt=delivery_attempt,
+                    metadata=metadata,
+                    max_payload_bytes=self.max_envelope_bytes,
+                    oversize_policy=self.settings.oversize_policy,
+                )
+            except Exception as exc:
+                unreadable = exc
+        return self.failed_envelope(
+            source=source,
+            message_id=message_id,
+            body=body,
+            published_at=published_at,
+            delivery_attempt=delivery_attempt,
+            error=unreadable,
+        )
+
+    def failed_envelope(
+        self,
+        *,
+        source: str,
+        message_id: str,
+        body: bytes | str | None,
+        published_at: str | None,
+        delivery_attempt: int,
+        error: BaseException,
+    ) -> tuple[dict[str, Any], str]:
+        """
+        The fallback envelope and forced rejection of a message whose envelope could not be built
+        (:func:`fallback_envelope`), logged once. For producers that call :func:`build_envelope`
+        themselves on their hot path (Kafka) and must not let its exception reach the group.
+        """
+        envelope, reason = fallback_envelope(
             broker=self.broker,
             source=source,
             message_id=message_id,
             body=body,
-            attributes=attributes,
             published_at=published_at,
             delivery_attempt=delivery_attempt,
-            metadata=metadata,
             max_payload_bytes=self.max_envelope_bytes,
-            oversize_policy=self.settings.oversize_policy,
+            error=error,
         )
+        # Both quote sender-controlled text (an id, the exception's message): one log line each.
+        self.log.error(
+            "%s: message %s has no envelope, dead-lettering it: %s",
+            self.source_label(),
+            log_safe(envelope["message_id"]),
+            log_safe(reason, REASON_LOG_LIMIT),
+        )
+        return envelope, reason
 
-    def stream_message(self, envelope: dict[str, Any], forced_rejection: str | None) -> StreamMessage:
+    def stream_message(
+        self, envelope: dict[str, Any], forced_rejection: str | None, body: object = None
+    ) -> StreamMessage:
         """
         Wrap an envelope for broadcast. Call immediately before ``yield`` (no await in between):
-        the seq taken here must reach the watchers' queues in the same step.
+        the seq taken here must reach the watchers' queues in the same step. ``body``: the raw
+        body the delivery keeps (for the dead-letter path), counted with the envelope against
+        ``max_in_flight_bytes`` (:meth:`hold`).
         """
-        return StreamMessage(envelope, self.take_seq(), forced_rejection)
+        return self.hold(StreamMessage(envelope, self.take_seq(), forced_rejection), body)
+
+    def hold(self, message: StreamMessage, body: object) -> StreamMessage:
+        """
+        Count ``message`` against the byte budget until it is advanced (or abandoned on close):
+        its raw ``body``, its attributes twice (the delivery's and the envelope's) and its
+        envelope (the body again unless dropped for size, plus a fixed overhead). An estimate of
+        what the message keeps alive, computed without serializing anything. Producers that build
+        their own :class:`StreamMessage` call it right after :meth:`take_seq`, before the yield.
+        """
+        envelope = message.envelope
+        # Runs once per message: the usual bytes body without the generic check's union isinstance.
+        raw = len(body) if type(body) is bytes else body_size(body)
+        nbytes = raw + HELD_OVERHEAD
+        if raw and envelope.get("body_encoding") != "none":
+            cap = self.max_envelope_bytes
+            nbytes += raw if raw < cap else cap
+        attributes = envelope.get("attributes")
+        if attributes:
+            nbytes += 2 * sum(len(k) + len(v) for k, v in attributes.items())
+        message.held_bytes = nbytes
+        self._held_bytes += nbytes
+        (self._gate or self.gate).hold_bytes(nbytes)
+        return message
 
     def take_seq(self) -> int:
         """
@@ -326,6 +455,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
     # -- the stream ----------------------------------------------------------------------------
     def open_stream(self) -> AsyncIterator[tuple[Any, Any]]:
         """The broker's messages, one raw event each, or in batches when ``batch_size > 1``."""
+        require_airflow_internals()  # before anything is read: see _core/airflow_internals.py
         if not self.batching:
             return self._messages()
         batcher = Batcher(
@@ -356,9 +486,11 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         max_attempts = self.settings.max_delivery_attempts
         decided: list[Decided[DeliveryT]] = []
         clean = 0
+        held_bytes = 0
         for item in batch:
             delivery: DeliveryT = item.broker_payload
             message = delivery.message
+            held_bytes += message.held_bytes
             outcome = item.outcome
             # Fast path, almost every message: every watcher acked it and none recorded a failure.
             # Same result as decide() (tests/unit/test_dispositions.py), without its calls per message.
@@ -391,6 +523,8 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             self._in_flight -= len(batch)
             if self.batching:
                 self._batches_in_flight -= raw_events
+            self._held_bytes -= held_bytes
+            self.gate.release_bytes(held_bytes)
             self.gate.advanced(raw_events)
         if applied is not None and len(applied) != len(decided):
             raise RuntimeError(f"{type(self).__name__}._apply returned {len(applied)} results for {len(decided)}")
@@ -398,6 +532,23 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             self._count_commits(len(decided))
         else:
             self._count(batch, applied if applied is not None else decided)
+        self._defer_release(batch, decided, held_bytes)
+
+    def _defer_release(
+        self, batch: Sequence[AdvanceItem], decided: Sequence[Decided[DeliveryT]], held_bytes: int
+    ) -> None:
+        """
+        Hand an advanced batch to :attr:`deferred`, unless the messages it holds would pass
+        :attr:`_deferred_bytes_limit`: what ``deferred`` holds counts against no credit, and with
+        large messages the GC smoothing it buys is worth less than their memory. ``_deferred_bytes``
+        only grows between full releases here, so it is an upper bound of what is held.
+        """
+        if self._deferred_bytes + held_bytes > self._deferred_bytes_limit:
+            self.deferred.release_all()
+            self._deferred_bytes = 0
+            if held_bytes > self._deferred_bytes_limit:
+                return  # freed now, with the manager's references
+        self._deferred_bytes += held_bytes
         self.deferred.hold(batch)
         self.deferred.hold(decided)
 
@@ -456,6 +607,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             if gate is not None:
                 # Messages still in flight are abandoned to broker redelivery; discharge them so
                 # a later producer on the same gate starts with full credit.
+                gate.release_bytes(self._held_bytes)
                 gate.advanced(self._batches_in_flight if self.batching else self._in_flight)
-                self._in_flight = self._batches_in_flight = self._unbatched = 0
+                self._in_flight = self._batches_in_flight = self._unbatched = self._held_bytes = 0
                 gates.release(self.stream_key, gate)

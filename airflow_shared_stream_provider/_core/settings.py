@@ -25,6 +25,10 @@ from airflow_shared_stream_provider._core.envelope import (
     OversizePolicy,
 )
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
+from airflow_shared_stream_provider._core.flow import DEFAULT_MAX_IN_FLIGHT_BYTES
+
+# Below this a budget would hold about one message at a time even for small messages.
+MIN_IN_FLIGHT_BYTES = 64 * 1024
 
 
 def _freeze(value: Any) -> Hashable:
@@ -45,6 +49,10 @@ class StreamSettings:
     oversize_policy: OversizePolicy = "dead_letter"
     max_delivery_attempts: int | None = DEFAULT_MAX_DELIVERY_ATTEMPTS
     max_in_flight: int = 10_000
+    # Bytes of messages in flight (raw bodies, attributes and envelopes, estimated; see
+    # _core/flow.py). 64 MiB: six maximum-size Pub/Sub messages (10 MB), one Service Bus Premium
+    # message (100 MB) at a time, while messages up to ~2.8 KB still reach max_in_flight first.
+    max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES
     # Batch mode (see _core/batching.py): a producer setting, because the batch is the raw event
     # every watcher's event is bound to; 1 keeps one envelope per asset event.
     batch_size: int = 1
@@ -65,6 +73,9 @@ class StreamSettings:
             )
         if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
             raise SharedStreamConfigError(f"max_in_flight must be a positive int, got {self.max_in_flight!r}")
+        if isinstance(self.max_in_flight_bytes, bool) or not isinstance(self.max_in_flight_bytes, int):
+            raise SharedStreamConfigError(f"max_in_flight_bytes must be an int, got {self.max_in_flight_bytes!r}")
+        self.require_number("max_in_flight_bytes", self.max_in_flight_bytes, minimum=MIN_IN_FLIGHT_BYTES)
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int):
             raise SharedStreamConfigError(f"batch_size must be an int, got {self.batch_size!r}")
         self.require_number("batch_size", self.batch_size, minimum=1, maximum=MAX_BATCH_SIZE)

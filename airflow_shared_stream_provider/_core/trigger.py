@@ -23,12 +23,23 @@ What each watcher does with a message (``filter_shared_stream``), in order:
      message resolves it as *accepted* in the manager (``_SharedStreamGroup.unsubscribe``), so the
      watcher first records the failure on the shared message, and the producer counts it as
      failed (:meth:`SharedStreamProducerBase.advance`).
+
+   The reason recorded for a filter exception (:func:`_describe_filter_error`) is at most
+   :data:`MAX_FILTER_ERROR_CHARS` characters with no control characters: it becomes a
+   dead-letter header or attribute on every broker, and a log line.
+
+Before the first message, the watcher imports its ``filter_function`` in a worker thread: an
+import on the event loop would stall every trigger of the triggerer, and a wrong path raises
+:class:`SharedStreamConfigError` (naming the path and the import error) that ends this watcher
+once; the messages it had not pulled are redelivered (the manager resolves them as failed).
+With ``filter_mode="thread"`` the decision itself runs off the loop too (see ``_core/filtering.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final, TypedDict
@@ -44,8 +55,12 @@ from airflow_shared_stream_provider._core.errors import RejectMessage, SharedStr
 from airflow_shared_stream_provider._core.events import StreamTriggerEvent
 from airflow_shared_stream_provider._core.filtering import (
     FILTER_ERROR_POLICIES,
+    FILTER_MODES,
     FilterErrorPolicy,
+    FilterMode,
+    FilterStuckError,
     MessageFilter,
+    ThreadedDecider,
     validate_filter_function,
     validate_match,
 )
@@ -62,6 +77,9 @@ KEY_NAMESPACE = "airflow-shared-stream-provider"
 FLUSH_MARKER: Final = "flush"
 # Markers per quiet period (after F, 3F and 7F seconds of quiet; see _with_flush_markers).
 FLUSH_MARKERS: Final = 3
+# Longest reason made from a filter exception: a dead-letter header must stay small on every
+# broker (Service Bus application properties, SQS attributes count against the message size).
+MAX_FILTER_ERROR_CHARS: Final = 500
 
 
 class SharedStreamOptions(TypedDict, total=False):
@@ -73,6 +91,12 @@ class SharedStreamOptions(TypedDict, total=False):
     * ``match``: filter on envelope paths, e.g. ``{"body.region": ["eu", "uk"]}``.
     * ``filter_function``: dotted path of ``f(envelope) -> bool`` (may raise ``RejectMessage``).
     * ``on_filter_error``: what a filter exception does: ``reject`` (default), ``skip``, ``fail``.
+    * ``filter_mode``: where ``accept`` (``filter_function``, or an override) runs: ``"loop"``
+      (default: inline on the triggerer's event loop; the filter must be fast and never block)
+      or ``"thread"`` (in this watcher's own thread, one message at a time, in order; the other
+      triggers keep running while it works). See docs/filters.md.
+    * ``filter_timeout``: seconds (``filter_mode="thread"`` only; default None = no limit); a call
+      that takes longer is treated per ``on_filter_error``, and runs on in its thread.
     * ``flush_after``: seconds; emit a ``{"marker": "flush"}`` event once this watcher has fired
       and then stayed quiet that long, again after 3x and 7x (Airflow 3.3's stranded tail;
       default None = off).
@@ -83,6 +107,8 @@ class SharedStreamOptions(TypedDict, total=False):
     * ``oversize_policy``: ``dead_letter`` (default) or ``truncate`` for larger messages.
     * ``max_delivery_attempts``: poison cap (default 5, None = off).
     * ``max_in_flight``: most messages received but not yet advanced (default 10000).
+    * ``max_in_flight_bytes``: most bytes those messages hold (bodies, attributes, envelopes;
+      default 64 MiB; one message larger still flows, alone; see docs/reliability.md, Memory).
     * ``batch_size``: most messages in one asset event (default 1: one envelope per event; more:
       payload ``{"messages": [...]}``, see docs/envelope.md).
     * ``batch_timeout``: seconds a partly filled batch waits for more messages (default 0.5).
@@ -91,11 +117,14 @@ class SharedStreamOptions(TypedDict, total=False):
     match: Mapping[str, Any] | None
     filter_function: str | None
     on_filter_error: FilterErrorPolicy
+    filter_mode: FilterMode
+    filter_timeout: float | None
     flush_after: float | None
     max_payload_bytes: int
     oversize_policy: OversizePolicy
     max_delivery_attempts: int | None
     max_in_flight: int
+    max_in_flight_bytes: int
     batch_size: int
     batch_timeout: float
 
@@ -122,6 +151,8 @@ class SharedStreamTrigger(BaseEventTrigger):
         match: Mapping[str, Any] | None = None,
         filter_function: str | None = None,
         on_filter_error: FilterErrorPolicy = "reject",
+        filter_mode: FilterMode = "loop",
+        filter_timeout: float | None = None,
         flush_after: float | None = None,
         **settings_fields: Any,
     ) -> None:
@@ -130,6 +161,13 @@ class SharedStreamTrigger(BaseEventTrigger):
             raise SharedStreamConfigError(
                 f"on_filter_error must be one of {FILTER_ERROR_POLICIES}, got {on_filter_error!r}"
             )
+        if filter_mode not in FILTER_MODES:
+            raise SharedStreamConfigError(f"filter_mode must be one of {FILTER_MODES}, got {filter_mode!r}")
+        if filter_timeout is not None:
+            if filter_mode != "thread":
+                # A call on the event loop cannot be interrupted: a timeout there would be a lie.
+                raise SharedStreamConfigError("filter_timeout needs filter_mode='thread'")
+            StreamSettings.require_number("filter_timeout", filter_timeout, minimum=0.001, maximum=86_400)
         if flush_after is not None:
             StreamSettings.require_number("flush_after", flush_after, minimum=0.1, maximum=86_400)
         try:
@@ -139,8 +177,12 @@ class SharedStreamTrigger(BaseEventTrigger):
         self.match = validate_match(match)
         self.filter_function = validate_filter_function(filter_function)
         self.on_filter_error: FilterErrorPolicy = on_filter_error
+        self.filter_mode: FilterMode = filter_mode
+        self.filter_timeout = filter_timeout
         self.flush_after = flush_after
         self._filter = MessageFilter(self.match, self.filter_function)
+        # filter_mode="thread": the running watcher's decider (set when it starts, closed when it ends).
+        self._threaded: ThreadedDecider | None = None
         # flush_after: when this watcher last fired (monotonic) and on which message; None = no
         # marker is due (never fired, or the marker for the last burst was emitted).
         self._last_fired_at: float | None = None
@@ -153,6 +195,11 @@ class SharedStreamTrigger(BaseEventTrigger):
         kwargs.update(match=self.match, filter_function=self.filter_function, on_filter_error=self.on_filter_error)
         if self.flush_after is not None:  # omitted when off: older serialized kwargs stay equal
             kwargs["flush_after"] = self.flush_after
+        # Per watcher, like the filter, and omitted at their defaults for the same reason.
+        if self.filter_mode != "loop":
+            kwargs["filter_mode"] = self.filter_mode
+        if self.filter_timeout is not None:
+            kwargs["filter_timeout"] = self.filter_timeout
         return f"{cls.__module__}.{cls.__qualname__}", kwargs
 
     def shared_stream_key(self) -> Hashable:
@@ -191,18 +238,22 @@ class SharedStreamTrigger(BaseEventTrigger):
 
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         key = self.shared_stream_key()
+        # First, as it may raise (AirflowInternalsError): nothing is acquired yet that would leak.
+        stores = stores_of(self.asset_state_store)
         # Registration happens before the first await, i.e. atomically with the manager's
         # subscribe (see _core/flow.py for why that matters).
         gate = gates.acquire(key)
         token = id(self)
         gate.register(token)
-        stores = stores_of(self.asset_state_store)
         identity = identity_of([name for name, _ in stores], self._watcher_spec())
         gate.cohort.join(token, identity, stores if cohort_record_enabled() else [], record_key(key))
         scope = self.settings.position_scope()
         # -1: no position kept, never in a message's skip_for.
         member = gate.positions.join(identity, position_key(scope, identity), stores) if scope is not None else -1
         try:
+            # Inside the try: registration above must stay before the first await (see flow.py),
+            # and the finally must undo it when the filter cannot be imported.
+            threaded = self._threaded = await self._prepare_filter()
             raw_events = shared_stream if self.flush_after is None else self._with_flush_markers(shared_stream)
             notes_fired = self.flush_after is not None
             async for raw in raw_events:
@@ -215,7 +266,7 @@ class SharedStreamTrigger(BaseEventTrigger):
                         self._reject(raw, raw.forced_rejection)
                         continue
                     try:
-                        fire = self.accept(raw.envelope)
+                        fire = self.accept(raw.envelope) if threaded is None else await threaded(raw.envelope)
                     except RejectMessage as exc:
                         self._reject(raw, exc.reason)
                         continue
@@ -237,7 +288,7 @@ class SharedStreamTrigger(BaseEventTrigger):
                             _stopping(gate, key)
                 elif isinstance(raw, MessageBatch):
                     gate.consumed(token, raw.seq)
-                    batch_event = self._filter_batch(raw, member)
+                    batch_event = await self._filter_batch(raw, member, threaded)
                     if batch_event is not None:
                         gate.fired += 1
                         # The messages of the batch carry the mark (the batch's deliveries are
@@ -256,6 +307,9 @@ class SharedStreamTrigger(BaseEventTrigger):
                 else:
                     raise TypeError(f"{type(self).__name__} expects StreamMessage raw events, got {type(raw)!r}")
         finally:
+            if self._threaded is not None:
+                self._threaded.close()
+                self._threaded = None
             if member != -1:
                 gate.positions.leave(member)
             gate.cohort.leave(token)
@@ -273,11 +327,40 @@ class SharedStreamTrigger(BaseEventTrigger):
             "flush_after": self.flush_after,
         }
 
-    def _filter_batch(self, batch: MessageBatch, member: int) -> TriggerEvent | None:
+    async def _prepare_filter(self) -> ThreadedDecider | None:
+        """
+        Import ``filter_function`` in a worker thread (once per watcher start; a wrong path raises
+        :class:`SharedStreamConfigError` here, ending this watcher), and for ``filter_mode="thread"``
+        build the decider that runs ``accept`` off the loop. None: decide inline, on the loop.
+        """
+        if self._filter.needs_import:
+            await asyncio.to_thread(self._filter.resolve)
+        if self.filter_mode != "thread":
+            return None
+        if type(self).accept is SharedStreamTrigger.accept:
+            function = self._filter.resolve()  # imported above: no import here
+            if function is None:
+                return None  # ``match`` alone is cheap: it stays on the loop
+            return ThreadedDecider(
+                function,
+                label=str(self.filter_function),
+                prefilter=self._filter.matches if self._filter.has_clauses else None,
+                timeout=self.filter_timeout,
+            )
+        # An overridden accept may do anything: all of it runs in the thread.
+        cls = type(self)
+        return ThreadedDecider(
+            self.accept, label=f"{cls.__module__}.{cls.__qualname__}.accept", timeout=self.filter_timeout
+        )
+
+    async def _filter_batch(
+        self, batch: MessageBatch, member: int, threaded: ThreadedDecider | None
+    ) -> TriggerEvent | None:
         """
         A batch: each message decided on its own and the decision recorded on it; no call to
         ``reject_shared_stream_event`` (it would reject the whole batch): the producer reads the
         rejections off each message. ``member``: this watcher's position member number (-1: none).
+        ``threaded``: the ``filter_mode="thread"`` decider, or None to decide inline.
         """
         accepted: list[dict[str, Any]] = []
         messages = batch.messages
@@ -288,12 +371,12 @@ class SharedStreamTrigger(BaseEventTrigger):
                 message.reject(message.forced_rejection)
                 continue
             try:
-                fire = self.accept(message.envelope)
+                fire = self.accept(message.envelope) if threaded is None else await threaded(message.envelope)
             except RejectMessage as exc:
                 message.reject(exc.reason)
                 continue
             except Exception as exc:
-                if self.on_filter_error == "fail":
+                if self.on_filter_error == "fail" or isinstance(exc, FilterStuckError):
                     # This watcher leaves now: the events of the messages it accepted before are
                     # never yielded, and it never sees the ones after. All must come back.
                     error = _describe_filter_error(exc)
@@ -312,8 +395,11 @@ class SharedStreamTrigger(BaseEventTrigger):
         return self.make_batch_event(accepted) if accepted else None
 
     def _on_filter_exception(self, message: StreamMessage, exc: Exception) -> bool:
-        """Apply ``on_filter_error`` to a filter exception; True means: reject the message."""
-        if self.on_filter_error == "fail":
+        """
+        Apply ``on_filter_error`` to a filter exception; True means: reject the message.
+        :class:`FilterStuckError` (no thread left for the filter) always ends the watcher.
+        """
+        if self.on_filter_error == "fail" or isinstance(exc, FilterStuckError):
             message.fail(_describe_filter_error(exc))
             raise exc
         log.exception(
@@ -453,18 +539,32 @@ def _recorded(message: StreamMessage) -> None:
             message.failures = None  # keeps the producer's fast path for this message
 
 
+# What a dead-letter header or a log line must not carry: C0/C1 controls (CR, LF, NUL among them:
+# header injection, truncated C strings, split log records), Unicode line separators, lone
+# surrogates (not encodable as UTF-8) and the two non-characters XML refuses (SQS attributes).
+_UNSAFE_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff\ufffe\uffff]+")
+
+
 def _describe_filter_error(exc: BaseException) -> str:
-    """``filter raised KeyError: 'customer'``; never raises, even for an exception whose ``str`` does."""
+    """
+    ``filter raised KeyError: 'customer'``; never raises, even for an exception whose ``str`` does.
+
+    The filter's text is user data headed for dead-letter headers on every broker and for logs:
+    each run of unsafe characters becomes one space and the whole is cut to
+    :data:`MAX_FILTER_ERROR_CHARS` (ending in ``...`` when cut), here at the source.
+    """
     try:
         text = str(exc)
     except Exception as render_error:  # a broken __str__ must not lose the message (fuzz-found)
         text = f"<unprintable: str() raised {type(render_error).__name__}>"
-    return f"filter raised {type(exc).__name__}: {text}"
+    # Cut before the substitution too, so a huge str(exc) costs no more than a bounded scan.
+    reason = _UNSAFE_TEXT.sub(" ", f"filter raised {type(exc).__name__}: {text[: MAX_FILTER_ERROR_CHARS + 1]}")
+    if len(reason) > MAX_FILTER_ERROR_CHARS:
+        reason = reason[: MAX_FILTER_ERROR_CHARS - 3] + "..."
+    return reason
 
 
 def _import_producer(path: str) -> type:
-    import importlib
+    from airflow.sdk.module_loading import import_string  # type: ignore[attr-defined]  # see filtering.py
 
-    module_name, _, name = path.rpartition(".")
-    module = importlib.import_module(module_name)
-    return getattr(module, name)  # type: ignore[no-any-return]
+    return import_string(path)  # type: ignore[no-any-return]

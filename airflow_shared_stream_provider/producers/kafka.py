@@ -18,6 +18,8 @@ rejected            produced to ``dlq_topic`` (original key, value, headers + ``
                     the broker's ``message.max.bytes``) is dead-lettered with an empty value and
                     without its headers, ``x-dead-letter-omitted`` saying so, and logged: the original
                     stays in the source topic until retention, and the partition moves on.
+                    The record's own ``x-dead-letter-*`` headers go as ``x-original-x-dead-letter-*``
+                    (:func:`original_headers`): the provider's are the only ones of that name.
 failed (REDELIVER)  not done: the lane holds at this offset and the consumer seeks back to it, so it
                     is delivered again in this session (only the held offsets are re-yielded; the
                     ones still in flight or done are skipped, not duplicated). With watcher
@@ -26,6 +28,10 @@ failed (REDELIVER)  not done: the lane holds at this offset and the consumer see
                     had queued behind too; it replays those from its position).
 poison              a failed message whose in-session attempt count reached
                     ``max_delivery_attempts`` is dead-lettered as above instead.
+undecodable         a batch aiokafka cannot read is read again by kafka_records: header names that
+                    are not UTF-8 are delivered (``base64:`` names); what cannot be read at all (one
+                    record, or the rest of a batch) is a delivery every watcher rejects, so it is
+                    dead-lettered as above (raw bytes; its offset or range) and counted as poison.
 zero-subscriber     like failed, but re-read after ``hold_backoff`` seconds and without counting an
 (HOLD)              attempt (nobody saw it).
 revoked partition   outcomes arriving for a partition this member no longer owns are dropped: never
@@ -110,6 +116,8 @@ try:
     )
     from aiokafka.helpers import create_ssl_context
     from aiokafka.structs import OffsetAndMetadata
+
+    from airflow_shared_stream_provider.producers.kafka_records import TolerantReader, Undecodable
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise missing_dependency("kafka", "aiokafka", exc) from exc
 
@@ -148,7 +156,7 @@ class KafkaMessage(StreamMessage):
         epoch: int,
         key: bytes | None,
         value: bytes | None,
-        headers: tuple[tuple[str, bytes], ...],
+        headers: tuple[tuple[str | bytes, bytes | None], ...],
     ) -> None:
         super().__init__(envelope, seq, forced_rejection)
         self.delivery_attempt = delivery_attempt
@@ -162,6 +170,84 @@ class KafkaMessage(StreamMessage):
     @property
     def message(self) -> StreamMessage:
         return self
+
+    def source(self) -> str:
+        """Where the record is: ``topic/partition/offset`` (the ``x-dead-letter-source`` header)."""
+        return f"{self.tp.topic}/{self.tp.partition}/{self.offset}"
+
+
+DEAD_LETTER_PREFIX = "x-dead-letter-"
+ORIGINAL_PREFIX = "x-original-"
+
+
+def original_headers(headers: Sequence[tuple[str | bytes, bytes | None]]) -> list[tuple[str, bytes | None]]:
+    """
+    A record's own headers as its dead-letter record carries them, before the provider's
+    ``x-dead-letter-*`` ones.
+
+    * The provider's ``x-dead-letter-*`` headers are authoritative: a header of the record whose
+      name starts with ``x-dead-letter-`` (any case) is renamed ``x-original-<name>``. A sender
+      cannot forge where a dead letter came from or why (a reader taking the first header of a
+      name would otherwise get the sender's), and a record dead-lettered twice (replayed from the
+      DLQ) keeps the earlier verdict under the new name instead of losing it.
+    * A key that is not UTF-8 (bytes, see kafka_records) goes as its ``base64:...`` text, as the
+      envelope shows it: aiokafka's producer writes header keys as UTF-8 text only.
+    """
+    out: list[tuple[str, bytes | None]] = []
+    for name, value in headers:
+        text = name if isinstance(name, str) else text_value(name)
+        if text[: len(DEAD_LETTER_PREFIX)].lower() == DEAD_LETTER_PREFIX:
+            text = ORIGINAL_PREFIX + text
+        out.append((text, value))
+    return out
+
+
+def _dead_letter_location(delivery: KafkaMessage) -> str:
+    """``topic/partition/offset`` for logs, with the range of an undecodable batch rest."""
+    source = delivery.source()
+    if isinstance(delivery, UndecodableKafkaMessage) and delivery.first_offset != delivery.offset:
+        return f"{source} (to offset {delivery.offset})"
+    return source
+
+
+class UndecodableKafkaMessage(KafkaMessage):
+    """
+    What could not be read as records (kafka_records.Undecodable): ``first_offset`` to ``offset``
+    (one record, or the rest of a batch). The lane tracks ``offset``, the last one, so the commit
+    after its dead-letter passes all of them; the dead-letter record names ``first_offset``.
+    """
+
+    __slots__ = ("first_offset",)
+
+    def __init__(
+        self,
+        envelope: dict[str, Any],
+        seq: int,
+        forced_rejection: str,
+        *,
+        delivery_attempt: int,
+        tp: TopicPartition,
+        offset: int,
+        first_offset: int,
+        epoch: int,
+        value: bytes,
+    ) -> None:
+        super().__init__(
+            envelope,
+            seq,
+            forced_rejection,
+            delivery_attempt=delivery_attempt,
+            tp=tp,
+            offset=offset,
+            epoch=epoch,
+            key=None,
+            value=value,
+            headers=(),
+        )
+        self.first_offset = first_offset
+
+    def source(self) -> str:
+        return f"{self.tp.topic}/{self.tp.partition}/{self.first_offset}"
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -269,6 +355,9 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             # partial-assignment check), so which assignor wins changes nothing.
             partition_assignment_strategy=(RoundRobinPartitionAssignor, RangePartitionAssignor),
         )
+        # A record aiokafka cannot decode (a non-UTF-8 header key, a malformed record) must not stop
+        # the partition forever: read such batches tolerantly, for this consumer only (kafka_records).
+        reader = TolerantReader.install(consumer)
         if not self._watcher_positions:
             consumer.subscribe(topics=list(self.settings.topics), listener=_Rebalance(self))
         try:
@@ -279,6 +368,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 f"cannot reach Kafka at {config.consumer['bootstrap_servers']} "
                 f"(connection {self.settings.kafka_config_id!r}): {exc}"
             ) from exc
+        reader.attach()
         self._consumer = consumer
         if self._watcher_positions:
             # Every partition, assigned by this stream itself: no group membership, so no split
@@ -579,7 +669,10 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 records.reverse()
                 while records:
                     record = records.pop()
-                    offset = record.offset
+                    # An undecodable record (or the rest of a batch, see kafka_records): the lane
+                    # tracks its last offset, so the commit after its dead-letter passes all of it.
+                    undecodable = record.__class__ is Undecodable
+                    offset = record.last_offset if undecodable else record.offset
                     # A re-read of a held offset (a redelivery) goes to every watcher, as in group
                     # mode; only what a rewind re-reads for a late watcher is skipped by the others.
                     first_read = offset > lane.high_yielded
@@ -594,28 +687,46 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                         lane.commit_point()
                         continue
                     received += 1
+                    if undecodable:
+                        unreadable = self._undecodable_message(record, tp, epoch, attempt, group_id)
+                        if offset < floor and first_read:
+                            unreadable.skip_for = lane.skip_for(offset)
+                        yield self.hold(unreadable, record.raw), unreadable
+                        continue
                     headers = tuple(record.headers)  # already a tuple: no copy
                     key = record.key
                     timestamp = record.timestamp
-                    envelope, forced = build_envelope(
-                        broker="kafka",
-                        source=topic,
-                        message_id=id_prefix + str(offset),
-                        body=record.value,
-                        attributes=text_attributes(headers) if headers else {},
-                        published_at=iso_from_epoch_ms(timestamp) if timestamp and timestamp > 0 else None,
-                        delivery_attempt=attempt,
-                        metadata={
-                            "topic": topic,
-                            "partition": partition,
-                            "offset": offset,
-                            "key": text_value(key) if key is not None else None,
-                            "timestamp_type": "log_append" if record.timestamp_type == 1 else "create",
-                            "group_id": group_id,
-                        },
-                        max_payload_bytes=max_payload_bytes,
-                        oversize_policy=oversize_policy,
-                    )
+                    try:
+                        # The hot path builds the envelope itself (no method call per record); the
+                        # base's guard answers when it raises: forced-rejected, never the group's end.
+                        envelope, forced = build_envelope(
+                            broker="kafka",
+                            source=topic,
+                            message_id=id_prefix + str(offset),
+                            body=record.value,
+                            attributes=text_attributes(headers) if headers else {},
+                            published_at=iso_from_epoch_ms(timestamp) if timestamp and timestamp > 0 else None,
+                            delivery_attempt=attempt,
+                            metadata={
+                                "topic": topic,
+                                "partition": partition,
+                                "offset": offset,
+                                "key": text_value(key) if key is not None else None,
+                                "timestamp_type": "log_append" if record.timestamp_type == 1 else "create",
+                                "group_id": group_id,
+                            },
+                            max_payload_bytes=max_payload_bytes,
+                            oversize_policy=oversize_policy,
+                        )
+                    except Exception as exc:
+                        envelope, forced = self.failed_envelope(
+                            source=topic,
+                            message_id=id_prefix + str(offset),
+                            body=record.value,
+                            published_at=None,
+                            delivery_attempt=attempt,
+                            error=exc,
+                        )
                     message = KafkaMessage(
                         envelope,
                         self.take_seq(),
@@ -630,8 +741,51 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                     )
                     if offset < floor and first_read:
                         message.skip_for = lane.skip_for(offset)
-                    yield message, message
+                    yield self.hold(message, record.value), message
             self.counters.add("received", received)
+
+    def _undecodable_message(
+        self, record: Undecodable, tp: TopicPartition, epoch: int, attempt: int, group_id: str
+    ) -> UndecodableKafkaMessage:
+        """
+        A delivery every watcher rejects (``forced_rejection``) for what could not be read: the
+        dead-letter path writes it with where it was and why, then its offsets are committed past.
+        """
+        location = record.location()
+        reason = f"undecodable Kafka record at {location}: {record.reason}"
+        self.log.warning("%s; every watcher rejects it, so it is dead-lettered", reason)
+        envelope, _ = build_envelope(
+            broker="kafka",
+            source=tp.topic,
+            message_id=f"{tp.topic}/{tp.partition}/{record.offset}",
+            body=None,
+            attributes={},
+            published_at=None,
+            delivery_attempt=attempt,
+            metadata={
+                "topic": tp.topic,
+                "partition": tp.partition,
+                "offset": record.offset,
+                "last_offset": record.last_offset,
+                "key": None,
+                "timestamp_type": None,
+                "group_id": group_id,
+                "undecodable": record.reason,
+            },
+            max_payload_bytes=self.max_envelope_bytes,
+            oversize_policy="truncate",
+        )
+        return UndecodableKafkaMessage(
+            envelope,
+            self.take_seq(),
+            reason,
+            delivery_attempt=attempt,
+            tp=tp,
+            offset=record.last_offset,
+            first_offset=record.offset,
+            epoch=epoch,
+            value=record.raw,
+        )
 
     async def _credit_or_keepalive(self, consumer: AIOKafkaConsumer) -> int:
         """
@@ -645,7 +799,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         if credit == 0:
             try:
                 credit = await asyncio.wait_for(self.wait_for_credit(), timeout=self.settings.poll_timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 if not self._paused:
                     consumer.pause(*consumer.assignment())
                     self._paused = True
@@ -675,6 +829,11 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         dead = [entry for entry in decided if entry.disposition is Disposition.DEAD_LETTER]
         if dead:
             await self._dead_letter(dead)
+            # Watchers rejected these (forced), so the base counts them as rejected, not as
+            # poison; a record nobody could read is poison all the same (docs/kafka.md).
+            unreadable = sum(1 for entry in dead if isinstance(entry.delivery, UndecodableKafkaMessage))
+            if unreadable:
+                self.counters.add("poison", unreadable)
         replay_now = replay_later = False
         for entry in decided:
             delivery = entry.delivery
@@ -748,13 +907,10 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         topic = self.settings.dlq_topic
         if topic is None:
             for entry in entries:
-                d = entry.delivery
                 self.log.error(
-                    "Dead-lettering %s/%d/%d without a dlq_topic: committed past; the record stays in the "
+                    "Dead-lettering %s without a dlq_topic: committed past; the record stays in the "
                     "source topic until retention. Reason: %s",
-                    d.tp.topic,
-                    d.tp.partition,
-                    d.offset,
+                    _dead_letter_location(entry.delivery),
                     entry.decision.reason,
                 )
             return
@@ -780,26 +936,30 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         """
         Queue one dead-letter record; return the future of its acknowledgement.
 
-        The original key, value and headers plus the ``x-dead-letter-*`` headers. When that is over
-        the size limit (the client's check, or ``refused`` by the broker), the record goes with an
-        empty value and without the original headers: the original stays in the source topic until
-        retention, where ``x-dead-letter-source`` points.
+        The original key, value and headers (see :func:`original_headers`) plus the
+        ``x-dead-letter-*`` headers. When that is over the size limit (the client's check, or
+        ``refused`` by the broker), the record goes with an empty value and without the original
+        headers: the original stays in the source topic until retention, where
+        ``x-dead-letter-source`` points. An undecodable record's value is its raw bytes, and
+        ``x-dead-letter-last-offset`` ends the range when it covers more than one offset.
         """
         d = entry.delivery
-        source = f"{d.tp.topic}/{d.tp.partition}/{d.offset}"
+        source = d.source()
         fields = [
             ("x-dead-letter-reason", entry.decision.reason.encode()),
             ("x-dead-letter-source", source.encode()),
             ("x-dead-letter-attempts", str(d.delivery_attempt).encode()),
             ("x-dead-letter-group", self.group_id.encode()),
         ]
+        if isinstance(d, UndecodableKafkaMessage) and d.first_offset != d.offset:
+            fields.append(("x-dead-letter-last-offset", str(d.offset).encode()))
         if refused is None:
             # aiokafka refuses a record with neither key nor value: a keyless tombstone goes as b"".
             value = d.value if d.value is not None or d.key is not None else b""
             try:
                 return cast(
                     "asyncio.Future[Any]",
-                    await producer.send(topic, value=value, key=d.key, headers=[*d.headers, *fields]),
+                    await producer.send(topic, value=value, key=d.key, headers=[*original_headers(d.headers), *fields]),
                 )
             except TOO_LARGE as exc:
                 refused = exc

@@ -160,7 +160,20 @@ class KafkaClientConfig:
 
     def redacted(self) -> dict[str, Any]:
         """The consumer kwargs with secrets masked, safe to log."""
-        return {k: ("***" if any(h in k for h in _SECRET_HINTS) else v) for k, v in self.consumer.items()}
+        return _masked(self.consumer)
+
+    def __repr__(self) -> str:
+        # Not the dataclass repr: a config ends up in tracebacks, debug logs and test output, and
+        # the SASL password (consumer and common) and the SSL key password (ssl) must not.
+        return (
+            f"KafkaClientConfig(consumer={_masked(self.consumer)!r}, common={_masked(self.common)!r}, "
+            f"group={self.group!r}, ssl={_masked(self.ssl)!r}, check_hostname={self.check_hostname!r})"
+        )
+
+
+def _masked(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the value of every secret-looking name (password, secret, token) masked."""
+    return {k: ("***" if any(h in k for h in _SECRET_HINTS) else v) for k, v in kwargs.items()}
 
 
 def kafka_client_config(

@@ -97,7 +97,7 @@ class ConsumerGroupClaims:
             )
             try:
                 await asyncio.wait_for(other.released.wait(), timeout=remaining)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 continue  # re-checked once more, then the deadline has passed
 
     def release(self, claim: GroupClaim) -> None:

@@ -17,9 +17,10 @@ Dispositions (see :mod:`airflow_shared_stream_provider._core.dispositions`):
 outcome             what happens on Pub/Sub
 ==================  ===============================================================================
 COMMIT (acked)      ``Acknowledge`` (batched, flushed every ``ack_flush_interval``)
-DEAD_LETTER         with ``dead_letter_topic``: ``Publish`` the original data and attributes plus
-(rejected, poison,  ``x-dead-letter-*`` attributes (awaited), then ``Acknowledge``; without it:
-oversize)           ``ModifyAckDeadline(0)`` so the subscription's own dead-letter policy moves it
+DEAD_LETTER         with ``dead_letter_topic``: ``Publish`` the original data and attributes (a
+(rejected, poison,  sender's own ``x-dead-letter-*`` renamed ``x-original-*``) plus the producer's
+oversize)           ``x-dead-letter-*`` attributes (awaited), then ``Acknowledge``; without it:
+                    ``ModifyAckDeadline(0)`` so the subscription's own dead-letter policy moves it
                     (without such a policy the message is redelivered until it expires)
 REDELIVER (failed)  ``ModifyAckDeadline(0)``: prompt redelivery; ``delivery_attempt`` grows
 HOLD (no watcher)   ``ModifyAckDeadline(0)``: prompt redelivery, not counted as an attempt by us
@@ -28,7 +29,9 @@ HOLD (no watcher)   ``ModifyAckDeadline(0)``: prompt redelivery, not counted as 
 Lanes: a message's ordering key, else the message alone (nothing orders unkeyed messages on
 Pub/Sub, so one slow message never delays the acks of others). When a keyed message is nacked,
 later messages of that key delivered before the nack are nacked too (Pub/Sub redelivers the key
-from the nacked message), so a key's events never skip ahead of a redelivered message.
+from the nacked message), so a key's events never skip ahead of a redelivered message. That
+barrier is forgotten once its key has nothing in flight from the pulls it covers, so the memory it
+takes is bounded by the messages in flight, not by how many keys senders use.
 
 Exactly-once delivery: on such subscriptions ``Acknowledge`` can fail per ack id. Transient
 failures are retried; ``PERMANENT_FAILURE_INVALID_ACK_ID`` (the lease expired) is counted in
@@ -47,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -54,12 +58,18 @@ from typing import Any, Final
 from airflow_shared_stream_provider import SharedStreamConfigError
 from airflow_shared_stream_provider._core.ack_buffer import AckBuffer
 from airflow_shared_stream_provider._core.attempts import MessageCounts
-from airflow_shared_stream_provider._core.dead_letter import add_within_limit, cut_utf8, dead_letter_fields
+from airflow_shared_stream_provider._core.dead_letter import (
+    add_within_limit,
+    cut_utf8,
+    dead_letter_fields,
+    disown_dead_letter_names,
+)
 from airflow_shared_stream_provider._core.dispositions import Disposition
 from airflow_shared_stream_provider._core.envelope import iso_timestamp
 from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
+from airflow_shared_stream_provider._core.logsafe import REASON_LOG_LIMIT, log_safe
 from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.retry import Backoff, Retry, retry_call, retry_entries
 from airflow_shared_stream_provider._core.tasks import best_effort, cancel_and_wait, close_quietly
@@ -86,6 +96,7 @@ PUBLISH_BATCH: Final = 100  # dead-letter messages per Publish call
 PUBLISH_BATCH_BYTES: Final = 8 * 1024 * 1024
 MAX_ATTRIBUTES: Final = 100
 MAX_ATTRIBUTE_VALUE: Final = 1024
+MAX_ATTRIBUTE_KEY: Final = 256  # bytes
 RPC_RETRIES: Final = 5
 _ACK_BACKOFF: Final = Backoff(0.1)
 _PUBLISH_BACKOFF: Final = Backoff(0.2)
@@ -136,6 +147,14 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         # ordering key -> pulls started when a message of that key was last nacked: messages of
         # the key from pulls up to that one were delivered before the nack and must follow it.
         self._key_barriers: dict[str, int] = {}
+        # Both bounded by what is in flight, not by how many keys senders ever used: a barrier is
+        # dropped once its key has nothing in flight from the pulls it covers (see _drop_barriers).
+        # ordering key -> its messages received and not yet advanced (counted for a whole pull
+        # before the first of them is yielded).
+        self._key_in_flight: Counter[str] = Counter()
+        # Keys with nothing in flight whose barrier covers a pull not received yet.
+        self._barriers_waiting: set[str] = set()
+        self._pulls_received = 0
         self._next_pull: asyncio.Task[tuple[int, float, Sequence[Any]]] | None = None
         # message id -> deliveries seen by this producer, for the poison cap when the subscription
         # has no dead-letter policy (Pub/Sub only counts attempts when it has one).
@@ -227,6 +246,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                     # final flush in _close nacks them with everything else still held.
                     self._buffer.nacks.extend(item.ack_id for item in received)
                     raise self._buffer.fatal
+                self._pull_received(pull_index, received)
                 if not received:
                     self.deferred.release_all()  # quiet subscription: hold nothing (see _core/release.py)
                     # Real Pub/Sub holds an empty pull open until pull_timeout; a server that answers
@@ -264,7 +284,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                         metadata={"ordering_key": ordering_key or None},
                     )
                     unsettled.add(ack_id, None, lease_expires_at=lease_end)
-                    message = self.stream_message(envelope, forced)
+                    message = self.stream_message(envelope, forced, data)
                     yield (
                         message,
                         PubSubDelivery(
@@ -306,6 +326,35 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
             return
         _, _, received = task.result()
         self._buffer.nacks.extend(item.ack_id for item in received)
+
+    def _pull_received(self, pull_index: int, received: Sequence[Any]) -> None:
+        """Count a pull's keyed messages as in flight (all of them, before any is yielded)."""
+        for item in received:
+            key = item.message.ordering_key
+            if key:
+                self._key_in_flight[key] += 1
+        self._pulls_received = pull_index  # pulls are received one at a time, in order
+        if self._barriers_waiting:
+            waiting, self._barriers_waiting = self._barriers_waiting, set()
+            self._drop_barriers(waiting)
+
+    def _drop_barriers(self, keys: set[str]) -> None:
+        """
+        Drop the barrier of each of ``keys`` that has nothing left to hold back.
+
+        A barrier covers the messages of its key from pulls up to its index. Once every such pull
+        was received and none of the key's messages is in flight, no message it covers can still be
+        advanced; any later one comes from a later pull, which the barrier lets through anyway. A
+        key whose barrier covers a pull still travelling waits for that pull (``_pull_received``).
+        """
+        for key in keys:
+            barrier = self._key_barriers.get(key)
+            if barrier is None or self._key_in_flight.get(key):
+                continue
+            if barrier <= self._pulls_received:
+                del self._key_barriers[key]
+            else:
+                self._barriers_waiting.add(key)
 
     def _start_pull(self, credit: int) -> asyncio.Task[tuple[int, float, Sequence[Any]]]:
         self._pulls_started += 1
@@ -377,9 +426,9 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                 for entry in dead:
                     self.log.warning(
                         "Message %s from %s nacked for the subscription's dead-letter policy: %s",
-                        entry.delivery.message_id,
+                        log_safe(entry.delivery.message_id),
                         self.source_label(),
-                        entry.decision.reason,
+                        log_safe(entry.decision.reason, REASON_LOG_LIMIT),
                     )
         for entry in decided:
             self._unsettled.settled(entry.delivery.ack_id)
@@ -391,6 +440,18 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                 self._key_barriers[delivery.ordering_key] = self._pulls_started
         if acks or nacks:
             self._buffer.add(acks, nacks)
+        idle: set[str] = set()
+        for entry in decided:
+            key = entry.delivery.ordering_key
+            if key:
+                left = self._key_in_flight[key] - 1
+                if left > 0:
+                    self._key_in_flight[key] = left
+                else:
+                    del self._key_in_flight[key]
+                    idle.add(key)
+        if idle:
+            self._drop_barriers(idle)
 
     async def _publish_dead_letters(self, dead: Sequence[Decided[PubSubDelivery]]) -> None:
         publisher = self._publisher
@@ -410,7 +471,10 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
             await self._publish(publisher, topic, batch)
 
     def _dead_letter_message(self, entry: Decided[PubSubDelivery]) -> dict[str, Any]:
-        """The original data and attributes, plus the non-empty ``x-dead-letter-*`` ones while 100 attributes allow."""
+        """
+        The original data and attributes (a sender's ``x-dead-letter-*`` renamed ``x-original-*``),
+        plus the non-empty ``x-dead-letter-*`` ones while 100 attributes allow.
+        """
         delivery = entry.delivery
         fields = dead_letter_fields(
             reason=cut_utf8(entry.decision.reason, MAX_ATTRIBUTE_VALUE),  # the limit is in bytes
@@ -421,7 +485,10 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
             ordering_key=delivery.ordering_key,
         )
         extra = {name: value for name, value in fields.items() if value}
-        attributes = add_within_limit(dict(delivery.attributes), extra, limit=MAX_ATTRIBUTES, overwrite=True)
+        # The sender's own x-dead-letter-* attributes are renamed x-original-*: on the dead-letter
+        # copy those names are only ever the producer's (see _core/dead_letter.py).
+        original = disown_dead_letter_names(delivery.attributes, max_name_bytes=MAX_ATTRIBUTE_KEY)
+        attributes = add_within_limit(original, extra, limit=MAX_ATTRIBUTES, overwrite=True)
         return {"data": delivery.data, "attributes": attributes}
 
     async def _publish(self, publisher: PublisherAsyncClient, topic: str, messages: list[dict[str, Any]]) -> None:

@@ -140,7 +140,9 @@ async def inspect_subscription(
 ) -> SubscriptionInfo:
     """
     Check the subscription exists and learn its ack deadline, exactly-once and dead-letter policy.
-    ``where`` (connection id and endpoint) goes into the errors.
+    ``where`` (connection id and endpoint) goes into the errors. A ``dead_letter_topic`` that is
+    the subscription's own topic is refused (a :class:`SharedStreamConfigError`): only the
+    subscription knows its topic, so this is the one place the loop can be seen.
 
     An endpoint that does not answer within :data:`CONNECT_TIMEOUT` (google-api-core retries
     ``GetSubscription`` meanwhile) is a :class:`BrokerUnavailableError`: the group fails, the
@@ -166,12 +168,21 @@ async def inspect_subscription(
     except gexc.PermissionDenied:
         # pubsub.subscriptions.get is not needed to consume: assume the conservative defaults.
         log.warning(
-            "No permission to read subscription %s; assuming a %ss ack deadline and exactly-once delivery",
+            "No permission to read subscription %s; assuming a %ss ack deadline and exactly-once delivery%s",
             path,
             DEFAULT_SUBSCRIPTION_DEADLINE,
+            ", and not checking that dead_letter_topic is not the topic it reads" if dead_letter_topic else "",
         )
         return SubscriptionInfo(exactly_once=True)
     counters.add("api_calls")
+    if dead_letter_topic is not None and dead_letter_topic == subscription.topic:
+        # Every dead letter would be published to the topic this subscription reads and come back
+        # to it: a rejected message loops forever (the poison cap restarts with each new copy).
+        raise SharedStreamConfigError(
+            f"dead_letter_topic {dead_letter_topic!r} is the topic subscription {path!r} reads: every "
+            "rejected message would be published back to it and rejected again, forever; use a separate "
+            "dead-letter topic"
+        )
     info = SubscriptionInfo(
         ack_deadline_seconds=subscription.ack_deadline_seconds or DEFAULT_SUBSCRIPTION_DEADLINE,
         exactly_once=bool(subscription.enable_exactly_once_delivery),

@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Hashable, Sequence
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any, Final
 
 from airflow_shared_stream_provider._core.connections import (
@@ -102,6 +102,7 @@ from airflow_shared_stream_provider._core.errors import (
 )
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
+from airflow_shared_stream_provider._core.logsafe import log_safe
 from airflow_shared_stream_provider._core.producer import Decided, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.tasks import best_effort, close_quietly, first_of
 from airflow_shared_stream_provider.producers.servicebus_owner import OwnerQueue
@@ -316,7 +317,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                 self.deferred.release_all()  # quiet entity: hold nothing (see _core/release.py)
                 continue
             counters.add("received", len(batch))
-            now = datetime.now(UTC)
+            now = datetime.now(timezone.utc)
             loop_now = self._keeper_now()  # the keeper's clock at the same moment
             stale = 0
             for raw in batch:
@@ -332,7 +333,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                 fields = envelope_fields(raw, entity_path=entity_path)
                 envelope, forced = self.envelope(**fields)
                 lane: Hashable = raw.session_id if raw.session_id else raw.sequence_number
-                msg = self.stream_message(envelope, forced)
+                msg = self.stream_message(envelope, forced, fields["body"])
                 yield msg, ServiceBusDelivery(msg, fields["delivery_attempt"], raw, lock_token, lane)
             if stale:
                 counters.add("stale_skipped", stale)
@@ -375,7 +376,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         """The broadcast item of a message received on a session: its lane is the session."""
         fields = envelope_fields(raw, entity_path=self.entity_path)
         envelope, forced = self.envelope(**fields)
-        msg = self.stream_message(envelope, forced)
+        msg = self.stream_message(envelope, forced, fields["body"])
         lock_token = str(raw.lock_token)
         return msg, ServiceBusDelivery(msg, fields["delivery_attempt"], raw, lock_token, session.session_id, session)
 
@@ -453,7 +454,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                 self.log.warning(
                     "%s: lock of message %s lost before renewal; the broker redelivers it",
                     self.entity_path,
-                    message.message_id,
+                    log_safe(message.message_id),
                 )
             except errors.MessageAlreadySettled:
                 continue
@@ -506,14 +507,16 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                 "%s: lock of message %s (sequence %s) lost before %s (%s); the broker redelivers it "
                 "with delivery_count + 1",
                 self.entity_path,
-                delivery.message.envelope["message_id"],
+                log_safe(delivery.message.envelope["message_id"]),
                 delivery.raw.sequence_number,
                 entry.disposition.value,
                 type(exc).__name__,
             )
         except errors.MessageAlreadySettled:
             self.log.warning(
-                "%s: message %s was already settled", self.entity_path, delivery.message.envelope["message_id"]
+                "%s: message %s was already settled",
+                self.entity_path,
+                log_safe(delivery.message.envelope["message_id"]),
             )
         # Anything else (cancellation included) leaves the message unsettled for aclose.
         self._unsettled.settled(delivery.lock_token)
@@ -526,6 +529,8 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
             await receiver.complete_message(message)
         elif disposition is Disposition.DEAD_LETTER:
             reason = POISON_REASON if entry.decision.reason.startswith("poison") else REJECTED_REASON
+            # The broker writes these as the DeadLetterReason / DeadLetterErrorDescription
+            # properties, replacing a sender's own (the decision's reason is never empty).
             await receiver.dead_letter_message(
                 message, reason=reason, error_description=entry.decision.reason[:MAX_DESCRIPTION_CHARS]
             )

@@ -41,6 +41,7 @@ from airflow_shared_stream_provider._core.credit import CreditPool
 from airflow_shared_stream_provider._core.dispositions import Decision, Disposition
 from airflow_shared_stream_provider._core.errors import BrokerUnavailableError, SharedStreamConfigError
 from airflow_shared_stream_provider._core.inflight import InFlight
+from airflow_shared_stream_provider._core.logsafe import log_safe
 from airflow_shared_stream_provider._core.producer import Decided
 from airflow_shared_stream_provider._core.tasks import best_effort
 from airflow_shared_stream_provider.producers.servicebus_types import (
@@ -117,7 +118,7 @@ class SessionReceiver:
                 entry.delivery,
                 Decision(
                     Disposition.REDELIVER,
-                    f"session {self.session_id} was given up before this message was settled ({self.state}); "
+                    f"session {log_safe(self.session_id)} was given up before this message was settled ({self.state}); "
                     "the broker redelivers it",
                 ),
             )
@@ -161,7 +162,7 @@ class SessionReceiver:
                         "%s: could not settle every resolved message of session %s on close; closing the "
                         "session releases them",
                         self.pool.entity_path,
-                        self.session_id,
+                        log_safe(self.session_id),
                         exc_info=True,
                     )
         finally:
@@ -234,7 +235,7 @@ class SessionReceiver:
                     await self.pool.settle(self.receiver, entry)
                 except errors.MessageAlreadySettled:
                     self.pool.log.warning(
-                        "%s: message %s was already settled", self.pool.entity_path, delivery.raw.message_id
+                        "%s: message %s was already settled", self.pool.entity_path, log_safe(delivery.raw.message_id)
                     )
             # Popped only once done: a cancelled settlement stays queued for finish().
             self._requests.popleft()
@@ -267,7 +268,7 @@ class SessionReceiver:
             self.pool.log.warning(
                 "%s: renewing the lock of session %s failed; retrying",
                 self.pool.entity_path,
-                self.session_id,
+                log_safe(self.session_id),
                 exc_info=True,
             )
             self._renew_not_before = self._loop.time() + min(1.0, renew_margin(self._lock_seconds) / 2)
@@ -284,7 +285,7 @@ class SessionReceiver:
             "%s: lock of session %s lost (%s); its %d unsettled message(s) are redelivered by the broker "
             "with delivery_count + 1; the group keeps running",
             self.pool.entity_path,
-            self.session_id,
+            log_safe(self.session_id),
             type(exc).__name__,
             lost,
         )
@@ -295,7 +296,7 @@ class SessionReceiver:
     def _end(self, state: SessionState, why: str) -> None:
         self.state = state
         self.pool.counters.add("sessions_released")
-        self.pool.log.info("%s: releasing session %s: %s", self.pool.entity_path, self.session_id, why)
+        self.pool.log.info("%s: releasing session %s: %s", self.pool.entity_path, log_safe(self.session_id), why)
 
     async def _close(self) -> None:
         """Close the receiver: the broker releases whatever of the session it still had locked."""
@@ -308,7 +309,7 @@ class SessionReceiver:
             self.pool.log,
             "%s: error closing the receiver of session %s; its lock expires on its own",
             self.pool.entity_path,
-            self.session_id,
+            log_safe(self.session_id),
             timeout=self.pool.close_timeout,
         )
         # Not reached when cancelled mid-close: the pool's close() then closes it again (finish).
@@ -460,7 +461,7 @@ class SessionPool:
         session = SessionReceiver(self, receiver)
         self._sessions.add(session)
         self.counters.add("sessions_accepted")
-        self.log.info("%s: accepted session %s", self.entity_path, session.session_id)
+        self.log.info("%s: accepted session %s", self.entity_path, log_safe(session.session_id))
         return session
 
     # -- close -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Hashable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any, Final, Protocol
 
 from airflow_shared_stream_provider._core.envelope import iso_timestamp, json_safe, text_attributes, text_value
@@ -93,8 +93,8 @@ def seconds_until(moment: datetime | None, now: datetime | None = None) -> float
     if moment is None:
         return None
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return (moment - (now or datetime.now(UTC))).total_seconds()
+        moment = moment.replace(tzinfo=timezone.utc)
+    return (moment - (now or datetime.now(timezone.utc))).total_seconds()
 
 
 def lock_seconds_left(message: ServiceBusReceivedMessage, now: datetime | None = None) -> float:
@@ -158,12 +158,22 @@ def envelope_fields(message: ServiceBusReceivedMessage, *, entity_path: str) -> 
         "content_type": message.content_type,
         "partition_key": message.partition_key,
     }
+    # An AMQP value or sequence body is any nesting of AMQP types a sender chose (a list nested
+    # thousands deep, a map with binary keys): rendering it as JSON may raise (RecursionError in
+    # json_safe / json.dumps). That is this message's problem, not the stream's: the base's
+    # envelope guard forced-rejects it (``unreadable``) and the broker dead-letters it intact.
+    unreadable: Exception | None = None
+    try:
+        body = message_body(message)
+    except Exception as exc:
+        body, unreadable = None, exc
     return {
         "source": entity_path,
         # The sender's message id when it set one (dedup across resends), else the sequence number,
         # unique and stable per entity across redeliveries.
         "message_id": text_value(message_id) if message_id is not None else f"{entity_path}/{sequence_number}",
-        "body": message_body(message),
+        "body": body,
+        "unreadable": unreadable,
         "attributes": text_attributes(message.application_properties),
         "published_at": iso_timestamp(message.enqueued_time_utc),
         "delivery_attempt": delivery_count + 1,

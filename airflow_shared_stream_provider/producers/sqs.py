@@ -34,7 +34,8 @@ acked (COMMIT)      ``DeleteMessageBatch``. Entries that fail on the server side
                     (lease lost, see below) is counted as redelivered, not committed.
 rejected            ``SendMessageBatch`` to ``dlq_queue_url`` (original body and message attributes,
 (DEAD_LETTER)       plus ``x-dead-letter-reason`` / ``-source`` / ``-message-id`` while SQS's 10-
-                    attribute limit allows), retried like deletes, **then** deleted. Without a DLQ:
+                    attribute limit allows; a sender's own ``x-dead-letter-*`` are renamed
+                    ``x-original-*``), retried like deletes, **then** deleted. Without a DLQ:
                     never deleted (never lost): the message is made invisible for ``reject_backoff``
                     seconds and logged; a RedrivePolicy on the queue then moves it to the queue's
                     own DLQ after its ``maxReceiveCount``.
@@ -76,18 +77,20 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 from airflow_shared_stream_provider._core.attempts import MessageCounts
-from airflow_shared_stream_provider._core.dead_letter import dead_letter_fields, xml_text
+from airflow_shared_stream_provider._core.dead_letter import dead_letter_fields, disown_dead_letter_names, xml_text
 from airflow_shared_stream_provider._core.dispositions import Decision, Disposition
 from airflow_shared_stream_provider._core.envelope import StreamMessage
 from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
+from airflow_shared_stream_provider._core.logsafe import REASON_LOG_LIMIT, log_safe
 from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.retry import Backoff, ErrorStreak, chunks
 from airflow_shared_stream_provider._core.tasks import best_effort, cancel_and_wait
 from airflow_shared_stream_provider.producers.sqs_client import (
     AWS_ERRORS,
     LEASE_GONE_CODES,
+    MAX_ATTRIBUTE_NAME,
     SQS_BATCH,
     SqsAdvanceError,
     SqsApi,
@@ -142,6 +145,11 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         self._receives: dict[asyncio.Task[tuple[float, list[dict[str, Any]]]], int] = {}
         # FIFO: group -> the receive call whose messages must not be deleted past a released one.
         self._fences: dict[str, int] = {}
+        # FIFO: group -> its messages received and not yet advanced (a whole receive call is counted
+        # before the first of its messages is yielded). A fence is dropped with its group's last
+        # message in flight, so fences are bounded by what is in flight, not by how many groups
+        # senders ever used.
+        self._group_in_flight: Counter[str] = Counter()
         # MessageId -> times it was held (broadcast to nobody): not delivery attempts.
         self._holds: MessageCounts[str] = MessageCounts(_HOLD_MEMORY)
         # Standard queues: receive call -> messages not advanced yet, and the deletes held back until
@@ -228,11 +236,15 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                     if not self._fifo:
                         self._call_left[call] = len(messages)
                     lease_ends = started + visibility
+                    if self._fifo:
+                        self._group_in_flight.update(
+                            (raw.get("Attributes") or {}).get("MessageGroupId") or "" for raw in messages
+                        )
                     for raw in messages:
                         delivery = self._delivery(raw, call)
                         self._unsettled.add(delivery.receipt_handle, None, lease_expires_at=lease_ends)
                         envelope, forced = self._envelope(raw, delivery)
-                        delivery.message = msg = self.stream_message(envelope, forced)
+                        delivery.message = msg = self.stream_message(envelope, forced, delivery.body)
                         yield msg, delivery
         finally:
             await self._cancel_receives()
@@ -306,9 +318,9 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                 if self.settings.dlq_queue_url is None:
                     self.log.warning(
                         "SQS message %s on %s not dead-lettered (no dlq_queue_url): %s; kept, invisible for %s s",
-                        entry.delivery.message_id,
+                        log_safe(entry.delivery.message_id),
                         self.settings.queue_url,
-                        entry.decision.reason,
+                        log_safe(entry.decision.reason, REASON_LOG_LIMIT),
                         self.settings.reject_backoff,
                     )
                     visibility.append((entry, self.settings.reject_backoff))
@@ -393,6 +405,14 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                     del self._fences[group]
             if kept.disposition in (Disposition.REDELIVER, Disposition.HOLD):
                 self._fences[group] = delivery.receive_call
+            left = self._group_in_flight[group] - 1
+            if left > 0:
+                self._group_in_flight[group] = left
+            else:
+                # Nothing of the group received so far is in flight: the fence has nothing left to
+                # hold back, and the group's next message comes from a later call, which passes it.
+                del self._group_in_flight[group]
+                self._fences.pop(group, None)
             out.append(kept)
         return out
 
@@ -462,16 +482,21 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         self.log.info("SQS dead-lettered %d message(s) from %s to %s", len(entries), self.settings.queue_url, dlq_url)
 
     def _dead_letter_record(self, entry: Decided[SqsDelivery]) -> dict[str, Any]:
-        """The original body and message attributes, plus ``x-dead-letter-*`` while SQS's 10-attribute limit allows."""
+        """
+        The original body and message attributes (a sender's ``x-dead-letter-*`` renamed
+        ``x-original-*``), plus the producer's ``x-dead-letter-*`` while SQS's 10-attribute limit allows.
+        """
         delivery = entry.delivery
         fields = dead_letter_fields(
             reason=xml_text(entry.decision.reason[:1024]),
             source=self.settings.queue_url,
             message_id=xml_text(delivery.message_id),
         )
+        # The sender's own x-dead-letter-* attributes are renamed x-original-*: on the DLQ copy
+        # those names are only ever the producer's (see _core/dead_letter.py).
         return send_entry(
             delivery.body,
-            delivery.message_attributes,
+            disown_dead_letter_names(delivery.message_attributes, max_name_bytes=MAX_ATTRIBUTE_NAME),
             fields,
             group_id=(delivery.group_id or "dead-letter") if self._dlq_fifo else None,
             deduplication_id=delivery.message_id,

@@ -10,8 +10,9 @@ leases, FIFO order) stays in :mod:`.sqs`.
   them), with defaults sized for the producer: standard retries, a connection pool for every
   concurrent receive plus the lease keeper, deletes and releases, and a read timeout a long poll
   never reaches.
-* **Queue checks**: the queue (and the DLQ) must exist and be FIFO exactly when the URL says so; a
-  queue with neither ``dlq_queue_url`` nor a RedrivePolicy is logged (rejected messages stay).
+* **Queue checks**: the queue (and the DLQ) must exist and be FIFO exactly when the URL says so; the
+  DLQ must not resolve to the queue itself (same ``QueueArn``); a queue with neither
+  ``dlq_queue_url`` nor a RedrivePolicy is logged (rejected messages stay).
 * **Calls**: the long-polling ``ReceiveMessage``; batch calls (:meth:`SqsApi.batch`) retry the
   entries that failed on the server side (3 attempts, backoff) and raise
   :class:`SqsAdvanceError` when some still fail.
@@ -58,6 +59,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 SQS_BATCH: Final = 10  # entries per batch call, SQS's limit
 MAX_MESSAGE_ATTRIBUTES: Final = 10
+MAX_ATTRIBUTE_NAME: Final = 256  # characters (names are ASCII)
 TRANSFER_ENCODING_ATTRIBUTE: Final = "content-transfer-encoding"
 AWS_ERRORS: Final[tuple[type[Exception], ...]] = (boto.BotoCoreError, boto.ClientError)
 """What an SQS call raises when AWS (or reaching it) failed: see :meth:`SqsApi.explain`."""
@@ -311,7 +313,8 @@ class SqsApi:
         try:
             self.counters.add("api_calls")
             response = await client.get_queue_attributes(
-                QueueUrl=queue_url, AttributeNames=["FifoQueue", "VisibilityTimeout", "RedrivePolicy"]
+                QueueUrl=queue_url,
+                AttributeNames=["FifoQueue", "VisibilityTimeout", "RedrivePolicy", "QueueArn"],
             )
         except AWS_ERRORS as exc:
             cause = self.explain(exc, queue_url)
@@ -333,6 +336,14 @@ class SqsApi:
             )
         if settings.dlq_queue_url is not None:
             dlq_attributes = await self._queue_attributes(client, settings.dlq_queue_url, role="dlq")
+            # The settings compare account and queue name; SQS itself says which queue each URL
+            # resolves to (an alias endpoint, a proxy): one queue would dead-letter into itself.
+            arn = attributes.get("QueueArn")
+            if arn and arn == dlq_attributes.get("QueueArn"):
+                raise self.config_error(
+                    f"dlq_queue_url {settings.dlq_queue_url!r} resolves to the queue itself ({arn}): every "
+                    "rejected message would be sent back to the queue it came from"
+                )
             return dlq_attributes.get("FifoQueue", "false").lower() == "true"
         if not attributes.get("RedrivePolicy"):
             self.log.warning(

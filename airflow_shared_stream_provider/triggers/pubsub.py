@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import ClassVar, Final, Literal, Unpack
+from typing import TYPE_CHECKING, ClassVar, Final, Literal
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
@@ -178,7 +181,7 @@ class PubSubSharedStreamTrigger(SharedStreamTrigger):
 
     Also takes the options every shared-stream trigger takes (``match``, ``filter_function``,
     ``on_filter_error``, ``flush_after``, ``max_payload_bytes``, ``oversize_policy``,
-    ``max_in_flight``, ``batch_size``, ``batch_timeout``; see
+    ``max_in_flight``, ``max_in_flight_bytes``, ``batch_size``, ``batch_timeout``; see
     :class:`~airflow_shared_stream_provider._core.trigger.SharedStreamOptions`) and:
 
     :param max_delivery_attempts: poison cap (default 5, None = off). Counted by Pub/Sub when the

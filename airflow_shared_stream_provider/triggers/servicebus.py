@@ -31,6 +31,7 @@ option                       default      meaning
 ``oversize_policy``          dead_letter  ``dead_letter`` or ``truncate`` for larger messages
 ``max_delivery_attempts``    5            poison cap on ``delivery_count + 1`` (None = broker's own)
 ``max_in_flight``            10000        most messages received but not yet settled
+``max_in_flight_bytes``      64 MiB       most bytes they hold (prefetch reserved in it)
 ``sessions``                 False        read a session-enabled entity (required for one)
 ``max_concurrent_sessions``  8            sessions held at once (``sessions=True`` only)
 ``session_idle_timeout``     2.0          seconds without messages before a session is released
@@ -55,7 +56,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal, Unpack
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
@@ -173,7 +177,7 @@ class ServiceBusSharedStreamTrigger(SharedStreamTrigger):
 
     Also takes the options every shared-stream trigger takes (``match``, ``filter_function``,
     ``on_filter_error``, ``flush_after``, ``max_payload_bytes``, ``oversize_policy``,
-    ``max_in_flight``, ``batch_size``, ``batch_timeout``; see
+    ``max_in_flight``, ``max_in_flight_bytes``, ``batch_size``, ``batch_timeout``; see
     :class:`~airflow_shared_stream_provider._core.trigger.SharedStreamOptions`) and:
 
     :param max_delivery_attempts: poison cap: a failed message whose ``delivery_count + 1`` reached

@@ -27,7 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import ClassVar, Final, Literal, Unpack
+from typing import TYPE_CHECKING, ClassVar, Final, Literal
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
+from urllib.parse import urlsplit
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
@@ -45,12 +49,41 @@ _REGION_IN_URL: Final = re.compile(
 _QUEUE_URL: Final = re.compile(r"^https?://[^/\s]+/[^/\s]+/[A-Za-z0-9_-]{1,80}(?:\.fifo)?/?$")
 
 
+# The legacy global endpoints, both in us-east-1.
+_LEGACY_HOSTS: Final = frozenset({"queue.amazonaws.com", "sqs.amazonaws.com"})
+
+
 def region_from_queue_url(queue_url: str) -> str | None:
     """The AWS region named in an SQS queue URL, or None (LocalStack, moto, custom endpoints)."""
-    found = _REGION_IN_URL.match(queue_url)
-    if found is None:
-        return None
-    return found.group("a") or found.group("b")
+    lowered = queue_url.lower()  # host names are case-insensitive
+    found = _REGION_IN_URL.match(lowered)
+    if found is not None:
+        return found.group("a") or found.group("b")
+    host = urlsplit(lowered).hostname
+    return "us-east-1" if host in _LEGACY_HOSTS else None
+
+
+def queue_identity(queue_url: str) -> tuple[str, str, str | None]:
+    """
+    ``(account id, queue name, region or None)`` of a queue URL: what names the queue, whatever the
+    scheme, host spelling, trailing slash or endpoint form (``sqs.<region>``, ``<region>.queue``,
+    the legacy ``queue.amazonaws.com``, a VPC endpoint, a local emulator).
+    """
+    account, name = urlsplit(queue_url).path.strip("/").split("/")[-2:]
+    return account, name, region_from_queue_url(queue_url)
+
+
+def same_queue(first_url: str, second_url: str) -> bool:
+    """
+    Whether two queue URLs name the same queue: same account and name (both case-sensitive on SQS),
+    and not two different regions. A URL that names no region (an emulator, a custom endpoint) is
+    read with the client's region, so it matches a regional URL of the same account and name.
+    """
+    account_a, name_a, region_a = queue_identity(first_url)
+    account_b, name_b, region_b = queue_identity(second_url)
+    if (account_a, name_a) != (account_b, name_b):
+        return False
+    return region_a is None or region_b is None or region_a == region_b
 
 
 def is_fifo_url(queue_url: str) -> bool:
@@ -92,8 +125,13 @@ class SqsStreamSettings(StreamSettings):
         if self.dlq_queue_url is not None:
             if not _QUEUE_URL.match(self.dlq_queue_url):
                 raise SharedStreamConfigError(f"dlq_queue_url must be a full SQS queue URL, got {self.dlq_queue_url!r}")
-            if self.dlq_queue_url.rstrip("/") == self.queue_url.rstrip("/"):
-                raise SharedStreamConfigError(f"dlq_queue_url must differ from queue_url ({self.queue_url!r})")
+            # Compared as queues, not strings: http/https, host case, a trailing slash or another
+            # endpoint form of the same queue would dead-letter every reject back into the queue.
+            if same_queue(self.dlq_queue_url, self.queue_url):
+                raise SharedStreamConfigError(
+                    f"dlq_queue_url must differ from queue_url: {self.dlq_queue_url!r} names the same queue as "
+                    f"{self.queue_url!r}, so every rejected message would be sent back to the queue it came from"
+                )
         url_region = region_from_queue_url(self.queue_url)
         if self.region_name is not None and url_region is not None and url_region != self.region_name:
             raise SharedStreamConfigError(
@@ -148,7 +186,7 @@ class SqsSharedStreamTrigger(SharedStreamTrigger):
 
     Also takes the options every shared-stream trigger takes (``match``, ``filter_function``,
     ``on_filter_error``, ``flush_after``, ``max_payload_bytes``, ``oversize_policy``,
-    ``max_in_flight``, ``batch_size``, ``batch_timeout``; see
+    ``max_in_flight``, ``max_in_flight_bytes``, ``batch_size``, ``batch_timeout``; see
     :class:`~airflow_shared_stream_provider._core.trigger.SharedStreamOptions`) and:
 
     :param max_delivery_attempts: poison cap on ``ApproximateReceiveCount`` (default 5, None = off).

@@ -33,6 +33,7 @@ from devkit.demo import (
     kafka_connection,
 )
 from devkit.postgres import FAST_SETTINGS, PostgresServer
+from tests.statsd_listener import StatsdListener
 
 E2E_DAGS = Path(__file__).parent / "dags"
 PRIORITY_WATCHER = "kafka_orders_priority"
@@ -77,6 +78,7 @@ def running_airflow(
     *,
     sql_alchemy_conn: str | None = None,
     parallelism: int = 4,
+    config: dict[str, dict[str, object]] | None = None,
 ) -> Iterator[AirflowEnv]:
     """Airflow with the example Kafka Dags plus a fifth watcher whose filter raises, all unpaused."""
     dags = build_dags_folder(
@@ -90,6 +92,7 @@ def running_airflow(
         home=tmp_path_factory.mktemp("airflow-home"),
         sql_alchemy_conn=sql_alchemy_conn,
         parallelism=parallelism,
+        config=config or {},
     )
     with env:
         env.wait_for_dags(ALL_DAGS)
@@ -101,8 +104,25 @@ def running_airflow(
 
 
 @pytest.fixture(scope="session")
-def airflow(orders: KafkaOrders, output_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowEnv]:
-    with running_airflow(orders, output_dir, tmp_path_factory) as env:
+def statsd() -> Iterator[StatsdListener]:
+    """A StatsD collector (UDP on a free loopback port) that the session Airflow sends its metrics to."""
+    with StatsdListener() as listener:
+        yield listener
+
+
+@pytest.fixture(scope="session")
+def airflow(
+    orders: KafkaOrders, output_dir: Path, tmp_path_factory: pytest.TempPathFactory, statsd: StatsdListener
+) -> Iterator[AirflowEnv]:
+    # StatsD on, with InfluxDB-style tags (Telegraf's statsd input): the provider's ``stream`` tag
+    # travels in the metric name, which Airflow then validates (tests/e2e/test_metrics_e2e.py).
+    metrics = {
+        "statsd_on": True,
+        "statsd_host": "127.0.0.1",
+        "statsd_port": statsd.port,
+        "statsd_influxdb_enabled": True,
+    }
+    with running_airflow(orders, output_dir, tmp_path_factory, config={"metrics": metrics}) as env:
         yield env
 
 

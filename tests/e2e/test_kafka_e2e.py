@@ -43,6 +43,7 @@ from devkit.demo import (
     spark_revenue,
 )
 from tests.e2e.conftest import ALL_WATCHERS, PRIORITY_WATCHER, KafkaAirflow
+from tests.statsd_listener import Metric, StatsdListener
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.timeout(900)]
 
@@ -212,9 +213,9 @@ def test_watchers_share_one_consumer_and_commit_only_after_persist(kafka_airflow
 
 
 def messages_time(index: int) -> Any:
-    from datetime import UTC, datetime, timedelta
+    from datetime import datetime, timedelta, timezone
 
-    return datetime(2026, 1, 1, 12, 7, tzinfo=UTC) + timedelta(seconds=index)
+    return datetime(2026, 1, 1, 12, 7, tzinfo=timezone.utc) + timedelta(seconds=index)
 
 
 def test_bad_input_is_dead_lettered_and_the_triggerer_keeps_running(airflow: AirflowEnv, orders: KafkaOrders) -> None:
@@ -332,3 +333,45 @@ def test_pyspark_pipeline_counts_every_valid_order_once(
     assert spark_revenue(dataset) == expected
     runs = airflow.dag_run_states(SPARK_DAG)
     assert runs.get("success", 0) >= 2 and not runs.get("failed"), runs
+
+
+def test_a_statsd_collector_receives_the_stream_metrics(
+    airflow: AirflowEnv, orders: KafkaOrders, statsd: StatsdListener
+) -> None:
+    """
+    The provider's counters and gauges reach a real StatsD listener from the real triggerer, tagged
+    with the stream (``statsd_influxdb_enabled``: tags travel in the name), every series valid.
+    """
+    start = len(orders.published)
+    good = [make_order(f"metrics-{i}", "eu", 10.0 + i, messages_time(10 + i)) for i in range(5)]
+    bad = OrderMessage(b"metrics-bad", b'{"order_id": "metrics-bad", "amount": ', "malformed-json")
+    published = orders.publish([*good, bad])
+    wait_all_events(airflow, published)
+    wait_committed_to_end(airflow, orders)
+
+    prefix = "airflow.shared_stream_provider.kafka."
+    counters = ("received", "fired", "advanced", "committed", "dead_lettered", "rejected")
+    gauges = ("outstanding", "consumer_lag")
+
+    def arrived(metrics: list[Metric]) -> bool:
+        names = {m.name for m in metrics}
+        return all(prefix + name in names for name in (*counters, *gauges))
+
+    metrics = statsd.wait_for(arrived, timeout=60, what="the provider's Kafka metrics")
+    # The collector works for Airflow's own metrics too (same process, same client).
+    assert any(m.name == "airflow.triggerer_heartbeat" for m in metrics)
+    ours = [m for m in metrics if m.name.startswith(prefix)]
+    assert {m.tag("stream") for m in ours} == {TOPIC}, "every series carries the stream tag"
+    for name in counters:
+        assert all(m.kind == "c" for m in ours if m.name == prefix + name), name
+    totals = Counter[str]()
+    for metric in ours:
+        if metric.kind == "c":
+            totals[metric.name.removeprefix(prefix)] += int(metric.value)
+    # Every message this session published ended committed or dead-lettered (kill -9 restarts
+    # may commit some twice, never fewer).
+    assert totals["committed"] + totals["dead_lettered"] >= len(orders.published)
+    assert totals["received"] >= totals["advanced"] > 0
+    lag = [m for m in ours if m.name == prefix + "consumer_lag"]
+    assert all(m.kind == "g" and m.tag("topic") == TOPIC and m.tag("partition") is not None for m in lag)
+    assert len(since(orders, start)) == len(published)

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -59,7 +59,7 @@ WATCHER_COUNT = 5
 WATCHERS = tuple(f"kill_loop_w{index}" for index in range(WATCHER_COUNT))
 RATE = 5.0  # messages per second, the whole time (x5 watchers = 25 asset events/s on SQLite)
 SEED = 20261125
-AT = datetime(2026, 11, 25, tzinfo=UTC)
+AT = datetime(2026, 11, 25, tzinfo=timezone.utc)
 
 
 # -- the loop ---------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -32,7 +32,7 @@ WATCHERS = tuple(f"many_{index:03d}" for index in range(COUNT))
 DAG_ID = "many_watchers_consumer"
 CONN_ID = "aws_many"
 E2E_DAGS = Path(__file__).parent / "dags"
-AT = datetime(2026, 11, 25, tzinfo=UTC)
+AT = datetime(2026, 11, 25, tzinfo=timezone.utc)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import json
 import threading
 from collections import Counter
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -39,7 +39,7 @@ COUNT = 20
 WATCHERS = tuple(f"kill_loop_w{index}" for index in range(COUNT))
 DAG_ID = "kill_loop_consumer"
 DAG_FILE = Path(__file__).parent / "dags" / "e2e_kill_loop_watchers.py"
-AT = datetime(2026, 11, 25, tzinfo=UTC)
+AT = datetime(2026, 11, 25, tzinfo=timezone.utc)
 SPLIT = "is SPLIT across triggerers"
 PUBLISH_RATE = 50.0  # messages per second: a burst, sent one by one
 

@@ -171,7 +171,7 @@ class KafkaTarget:
                     self._producer.send_and_wait(self.adapter.topic, order(index), partition=partition), timeout=15
                 )
                 return
-            except (KafkaError, TimeoutError, OSError):
+            except (KafkaError, asyncio.TimeoutError, TimeoutError, OSError):
                 self.publish_retries += 1
                 await self._drop_producer()
                 await asyncio.sleep(0.2)

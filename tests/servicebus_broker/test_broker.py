@@ -69,7 +69,7 @@ async def test_send_receive_complete_with_application_properties(servicebus_brok
             assert message.sequence_number == 1
             assert message.lock_token is not None
             assert message.locked_until_utc is not None
-            assert message.locked_until_utc > datetime.datetime.now(datetime.UTC)
+            assert message.locked_until_utc > datetime.datetime.now(datetime.timezone.utc)
             assert message.enqueued_time_utc is not None
             assert servicebus_broker.counts("q").locked == 1
             await receiver.complete_message(message)
@@ -202,7 +202,7 @@ async def test_lock_expiry_redelivers_and_stale_settlement_is_lock_lost(serviceb
             assert servicebus_broker.entity_stats("q")["lock_expired"] == 1
             # The SDK refuses stale locks on its own clock; pretend the client clock lags the broker
             # so the settlement reaches the broker, which must answer message-lock-lost itself.
-            stale._expiry = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=1)
+            stale._expiry = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=1)
             with pytest.raises(MessageLockLostError):
                 await receiver.complete_message(stale)
             with pytest.raises(MessageLockLostError):
@@ -342,7 +342,7 @@ async def test_session_queue(servicebus_broker: BrokerHandle) -> None:
             session = receiver.session
             await session.set_state(b"progress")
             assert await session.get_state() == b"progress"
-            assert await session.renew_lock() > datetime.datetime.now(datetime.UTC)
+            assert await session.renew_lock() > datetime.datetime.now(datetime.timezone.utc)
             await receiver.complete_message(message)
         async with client.get_queue_receiver("sq", session_id="s1") as receiver:
             got: list[bytes] = []
@@ -380,7 +380,7 @@ async def test_next_available_session_hands_out_free_sessions_with_messages_olde
                 # the oldest message's session first, then the next one that is free; never "empty"
                 assert (first.session.session_id, second.session.session_id) == ("A", "B")
                 assert first.session.locked_until_utc is not None
-                assert first.session.locked_until_utc > datetime.datetime.now(datetime.UTC)
+                assert first.session.locked_until_utc > datetime.datetime.now(datetime.timezone.utc)
                 assert servicebus_broker.session_locked("sq", "A")
                 got = await first.receive_messages(max_message_count=5, max_wait_time=2)
                 assert [body_of(m) for m in got] == [b"A-0", b"A-1"]
@@ -453,7 +453,9 @@ async def test_settling_after_the_session_lock_was_lost_is_session_lock_lost_at_
             (message,) = await receiver.receive_messages(max_message_count=1, max_wait_time=2)
             # Pretend the client clock lags the broker's, so the SDK's own expiry check passes and
             # the settlement reaches the broker, which must answer session-lock-lost itself.
-            receiver.session._locked_until_utc = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=1)
+            receiver.session._locked_until_utc = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(
+                minutes=1
+            )
             await servicebus_broker.async_wait_until(lambda b: not b.session_locked("sq", "A"), timeout=5)
             with pytest.raises(SessionLockLostError):
                 await receiver.complete_message(message)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -64,7 +64,7 @@ def test_what_strict_json_refuses_is_delivered_as_text(raw: bytes) -> None:
 @given(st.integers(min_value=-(10**13), max_value=10**14))
 def test_epoch_milliseconds_render_like_datetime_isoformat(milliseconds: int) -> None:
     # Exact oracle (datetime.fromtimestamp(ms / 1000) rounds through a float far from 1970).
-    expected = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=milliseconds)).isoformat()
+    expected = (datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(milliseconds=milliseconds)).isoformat()
     assert iso_from_epoch_ms(milliseconds) == expected
     assert iso_timestamp(milliseconds, unit="ms") == expected
 
@@ -75,7 +75,7 @@ def test_epoch_millisecond_caches_never_mix_neighbouring_stamps(base: int, steps
     # both caches (last millisecond, last second) must hand back exactly the oracle's text.
     for step in steps:
         milliseconds = base + step
-        expected = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=milliseconds)).isoformat()
+        expected = (datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(milliseconds=milliseconds)).isoformat()
         assert iso_from_epoch_ms(milliseconds) == expected
 
 

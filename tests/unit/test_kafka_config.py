@@ -122,3 +122,25 @@ def test_a_blank_connection_group_that_would_be_used_is_an_error(blank: str) -> 
         kafka_client_config(
             "k", {"bootstrap.servers": "b:9092", "group.id": blank}, trigger_group_id=None, derived_group_id="d"
         )
+
+
+def test_the_config_repr_shows_no_secret() -> None:
+    config = kafka_client_config(
+        "k",
+        {
+            "bootstrap.servers": "b:9092",
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": "PLAIN",
+            "sasl.username": "svc",
+            "sasl.password": "sasl-s3cret",
+            "ssl.key.location": "/etc/key.pem",
+            "ssl.key.password": "key-s3cret",
+        },
+        trigger_group_id=None,
+        derived_group_id="g",
+    )
+    for text in (repr(config), str(config), f"{config}", repr([config])):
+        assert "s3cret" not in text
+        assert "svc" in text and "/etc/key.pem" in text  # what is not secret stays readable
+    assert repr(config).count("'***'") == 3  # consumer and common SASL password, the SSL key password
+    assert config.ssl["password"] == "key-s3cret"  # masked in the repr only

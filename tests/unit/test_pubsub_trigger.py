@@ -35,6 +35,7 @@ CHANGED: dict[str, Any] = {
     "oversize_policy": "truncate",
     "max_delivery_attempts": 9,
     "max_in_flight": 500,
+    "max_in_flight_bytes": 8 * 1024 * 1024,
     "batch_size": 100,
     "batch_timeout": 2.0,
     "max_messages": 10,

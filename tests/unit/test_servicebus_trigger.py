@@ -12,7 +12,7 @@ import json
 import subprocess
 import sys
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -47,6 +47,7 @@ ALTERNATIVES: dict[str, Any] = {
     "oversize_policy": "truncate",
     "max_delivery_attempts": 9,
     "max_in_flight": 50,
+    "max_in_flight_bytes": 8 * 1024 * 1024,
     "batch_size": 100,
     "batch_timeout": 2.0,
     "queue_name": "other-queue",
@@ -258,8 +259,8 @@ class FakeMessage:
         self.subject = kw.get("subject")
         self.content_type = "application/json"
         self.partition_key = None
-        self.enqueued_time_utc = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
-        self.locked_until_utc = datetime.now(UTC) + timedelta(seconds=lock_seconds)
+        self.enqueued_time_utc = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+        self.locked_until_utc = datetime.now(timezone.utc) + timedelta(seconds=lock_seconds)
         self.lock_token = uuid.uuid4()
 
 
@@ -321,7 +322,7 @@ class FakeReceiver:
             self.arrived.clear()
             try:
                 await asyncio.wait_for(self.arrived.wait(), timeout=min(max_wait_time, 0.05))
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 return []
         batch, self.available = self.available[:max_message_count], self.available[max_message_count:]
         return batch
@@ -344,7 +345,7 @@ class FakeReceiver:
         if message.sequence_number in self.lost:
             raise MessageLockLostError(message="lock lost")
         self.renewed.append(message.sequence_number)
-        return datetime.now(UTC) + timedelta(seconds=30)
+        return datetime.now(timezone.utc) + timedelta(seconds=30)
 
     async def close(self) -> None:
         self.closed = True
@@ -406,6 +407,34 @@ async def test_reject_dead_letters_with_reason_and_description(fake: FakeReceive
     name, reason, desc = by_seq[1]
     assert (name, reason) == ("dead_letter", REJECTED_REASON)
     assert desc is not None and "no eu orders here" in desc
+
+
+def deep_value(depth: int) -> list[Any]:
+    """An AMQP value body nested ``depth`` lists deep (a sender's SDK in another language can send it)."""
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+async def test_a_value_body_that_cannot_become_json_is_dead_lettered_and_the_stream_goes_on(
+    fake: FakeReceiver,
+) -> None:
+    unreadable = FakeMessage(b"", seq=1)
+    unreadable.body_type = AmqpMessageBodyType.VALUE
+    unreadable.body = deep_value(20_000)  # json_safe / json.dumps raise RecursionError on it
+    fake.publish(unreadable)
+    fake.publish(FakeMessage(body(2, "eu"), seq=2))
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.01) as runner:
+        runner.add(1, fake_trigger())
+        runner.add(2, fake_trigger())
+        await wait_until(lambda: len(fake.actions) == 2, timeout=10, what="2 settlements")
+        assert not runner.failures
+    assert runner.count(1) == runner.count(2) == 1  # the good message, at both watchers
+    dead = [action for action in fake.actions if action[0] == "dead_letter"]
+    assert [(name, seq) for name, seq, _, _ in dead] == [("dead_letter", 1)]
+    assert "envelope failed: RecursionError" in str(dead[0][3])
+    assert ("complete", 2, None, None) in fake.actions
 
 
 async def test_ack_timeout_abandons_and_the_poison_cap_dead_letters(fake: FakeReceiver) -> None:

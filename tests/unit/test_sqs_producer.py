@@ -115,7 +115,7 @@ class FakeSqsClient:
             if chosen or time.monotonic() >= deadline:
                 break
             queue.arrived.clear()
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(queue.arrived.wait(), timeout=max(0.0, deadline - time.monotonic()))
         queue.calls.append(("ReceiveMessage", len(chosen)))
         out = []

@@ -59,6 +59,7 @@ _ALTERNATIVES: dict[str, Any] = {
     "oversize_policy": "truncate",
     "max_delivery_attempts": 9,
     "max_in_flight": 5,
+    "max_in_flight_bytes": 8 * 1024 * 1024,
     "batch_size": 100,
     "batch_timeout": 2.0,
 }

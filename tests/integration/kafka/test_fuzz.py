@@ -126,15 +126,21 @@ class KafkaFuzzTarget:
 
 
 @pytest.fixture
-async def session(kafka_bootstrap: str, kafka_conn: str) -> AsyncIterator[FuzzSession]:
+async def fuzz_targets(kafka_bootstrap: str, kafka_conn: str) -> list[KafkaFuzzTarget]:
+    """A 3-partition topic and one in batch mode, each with its DLQ topic (also test_hostile.py's)."""
     targets = []
     for name, batch_size in (("single", 1), ("batch", 4)):
         adapter = KafkaAdapter(kafka_bootstrap, kafka_conn)
         await create_topics(kafka_bootstrap, adapter.topic, partitions=3)
         await create_topics(kafka_bootstrap, adapter.dlq_topic, partitions=1)
         targets.append(KafkaFuzzTarget(adapter, name, batch_size=batch_size))
+    return targets
+
+
+@pytest.fixture
+async def session(fuzz_targets: list[KafkaFuzzTarget]) -> AsyncIterator[FuzzSession]:
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-        yield FuzzSession.start(runner, targets)
+        yield FuzzSession.start(runner, fuzz_targets)
 
 
 def _plain(body: bytes | None, **fields: Any) -> FuzzMessage:

@@ -143,13 +143,18 @@ class PubSubFuzzTarget:
 
 
 @pytest.fixture
-async def session(make_adapter: Any) -> AsyncIterator[FuzzSession]:
-    targets = [
+async def fuzz_targets(make_adapter: Any) -> list[PubSubFuzzTarget]:
+    """A plain subscription and an ordered one in batch mode (also test_hostile.py's)."""
+    return [
         PubSubFuzzTarget(await make_adapter(), "plain"),
         PubSubFuzzTarget(await make_adapter(enable_message_ordering=True), "ordered-batch", batch_size=4),
     ]
+
+
+@pytest.fixture
+async def session(fuzz_targets: list[PubSubFuzzTarget]) -> AsyncIterator[FuzzSession]:
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-        yield FuzzSession.start(runner, targets)
+        yield FuzzSession.start(runner, fuzz_targets)
 
 
 def _plain(body: bytes, **fields: Any) -> FuzzMessage:

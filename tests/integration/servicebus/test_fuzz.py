@@ -143,17 +143,23 @@ class ServiceBusFuzzTarget:
 
 
 @pytest.fixture
-async def session(sb: ServiceBusEnv, sb_conn: str) -> AsyncIterator[FuzzSession]:
+async def fuzz_targets(sb: ServiceBusEnv, sb_conn: str) -> AsyncIterator[list[ServiceBusFuzzTarget]]:
+    """A queue and one in batch mode (also test_hostile.py's); their senders closed after the test."""
     targets = [
         ServiceBusFuzzTarget(ServiceBusAdapter(sb, sb_conn, await sb.create_queue("fuzz")), "single"),
         ServiceBusFuzzTarget(ServiceBusAdapter(sb, sb_conn, await sb.create_queue("fuzz")), "batch", batch_size=4),
     ]
     try:
-        async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-            yield FuzzSession.start(runner, targets)
+        yield targets
     finally:
         for target in targets:
             await target.close()
+
+
+@pytest.fixture
+async def session(fuzz_targets: list[ServiceBusFuzzTarget]) -> AsyncIterator[FuzzSession]:
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
+        yield FuzzSession.start(runner, fuzz_targets)
 
 
 def _plain(body: bytes, **fields: Any) -> FuzzMessage:

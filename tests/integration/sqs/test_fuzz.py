@@ -222,7 +222,8 @@ class SqsFuzzTarget:
 
 
 @pytest.fixture
-async def session(sqs_client: Any, sqs_connection: str) -> AsyncIterator[FuzzSession]:
+async def fuzz_targets(sqs_client: Any, sqs_connection: str) -> AsyncIterator[list[SqsFuzzTarget]]:
+    """A standard queue, one in batch mode and a FIFO queue in batch mode (also test_hostile.py's)."""
     created: list[str] = []
     targets: list[SqsFuzzTarget] = []
     for name, batch_size, fifo in (("standard", 1, False), ("standard-batch", 4, False), ("fifo-batch", 4, True)):
@@ -234,11 +235,16 @@ async def session(sqs_client: Any, sqs_connection: str) -> AsyncIterator[FuzzSes
             )
         )
     try:
-        async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-            yield FuzzSession.start(runner, targets)
+        yield targets
     finally:
         for url in created:
             await sqs_client.delete_queue(QueueUrl=url)
+
+
+@pytest.fixture
+async def session(fuzz_targets: list[SqsFuzzTarget]) -> AsyncIterator[FuzzSession]:
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
+        yield FuzzSession.start(runner, fuzz_targets)
 
 
 def _plain(body: bytes, **fields: Any) -> FuzzMessage:

@@ -1,0 +1,117 @@
+"""
+The hostile corpus through Google's Pub/Sub emulator (or PUBSUB_EMULATOR_HOST): see
+tests/integration/hostile.py. Streams: those of test_fuzz.py (a plain subscription, and an
+ordered one in batch mode).
+
+Pub/Sub-only cases: a message at the 10 MB data limit, the 100 attributes Pub/Sub allows (256-byte
+keys, 1024-byte values), CR/LF and NUL in attribute keys, values and ordering keys, and forged
+``x-dead-letter-*`` attributes. Attributes and ordering keys are proto strings: they cannot carry
+non-UTF-8 bytes (the client refuses them); message ids are the server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Final
+
+import grpc
+import pytest
+from airflow.triggers.shared_stream import SharedStreamManager
+
+from devkit.runner import RunnerSim
+from tests.integration.fuzz import DeadRecord, FuzzMessage, FuzzSession
+from tests.integration.hostile import (
+    DEAD_LETTER_PREFIX,
+    HOSTILE_PAYLOAD_BYTES,
+    HostileCase,
+    forged_attributes,
+    neutral_cases,
+    run_corpus,
+)
+from tests.integration.pubsub.test_fuzz import MAX_ATTRIBUTES, PubSubFuzzTarget, fuzz_targets
+
+pytestmark = [pytest.mark.integration, pytest.mark.pubsub]
+
+__all__ = ["fuzz_targets"]  # the fixture, shared with test_fuzz.py
+
+DATA_LIMIT: Final = 10 * 1000 * 1000
+"""Pub/Sub's limit on a message's data (10 MB; the publish request is limited to 10 MB too)."""
+
+
+def make(
+    body: bytes | None, *, attributes: Mapping[str, str] | None = None, ordering_key: str = "", **fields: Any
+) -> FuzzMessage:
+    attrs = dict(attributes or {})
+    if not body and not attrs and fields.get("raise_text") is None:
+        attrs["empty-body"] = ""  # Pub/Sub refuses a message with neither data nor attributes
+    return FuzzMessage(body, extras={"attributes": attrs, "ordering_key": ordering_key}, **fields)
+
+
+def pubsub_cases() -> list[HostileCase]:
+    hundred = {f"{'k' * 250}{i:03d}": "v" * 300 for i in range(MAX_ATTRIBUTES)}  # 55 KiB: under the cap
+    return [
+        *neutral_cases(make),
+        # Under the request limit with its attributes and framing.
+        HostileCase("data at the 10 MB limit", (make(b"x" * (DATA_LIMIT - 64 * 1024)),)),
+        HostileCase("100 attributes, 256-byte keys", (make(b'{"kind":"hundred"}', attributes=hundred),)),
+        HostileCase(
+            "100 attributes, 1024-byte values (over the cap)",
+            (make(b"{}", attributes={f"a{i}": "v" * 1024 for i in range(100)}),),
+        ),
+        HostileCase(
+            "CR/LF and NUL in attributes and ordering keys",
+            (
+                make(
+                    b'{"kind":"crlf"}',
+                    attributes={"crlf\r\nkey": "a\r\nb", "nul\x00key": "a\x00b", "empty": ""},
+                    ordering_key="o\r\n\x00k",
+                ),
+            ),
+        ),
+        HostileCase(
+            "forged x-dead-letter-* attributes",
+            (make(b'{"kind":"forged"}', attributes=forged_attributes(), raise_text="f"),),
+            forged=True,
+        ),
+    ]
+
+
+def reasons_of(record: DeadRecord) -> list[str]:
+    return [value for name, value in record.attributes.items() if name.lower() == DEAD_LETTER_PREFIX + "reason"]
+
+
+@pytest.fixture
+async def pubsub_clients(pubsub_emulator: str) -> AsyncIterator[tuple[Any, Any]]:
+    """
+    The observer's clients (overriding conftest's) on channels without gRPC's 4 MiB receive limit,
+    as the producer's (producers/pubsub_client.py): the probe pulls the 10 MB message too.
+    """
+    from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
+    from google.pubsub_v1.services.publisher.transports.grpc_asyncio import PublisherGrpcAsyncIOTransport
+    from google.pubsub_v1.services.subscriber.transports.grpc_asyncio import SubscriberGrpcAsyncIOTransport
+
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    publisher = PublisherAsyncClient(
+        transport=PublisherGrpcAsyncIOTransport(channel=grpc.aio.insecure_channel(pubsub_emulator, options=options))
+    )
+    subscriber = SubscriberAsyncClient(
+        transport=SubscriberGrpcAsyncIOTransport(channel=grpc.aio.insecure_channel(pubsub_emulator, options=options))
+    )
+    try:
+        yield publisher, subscriber
+    finally:
+        await publisher.transport.close()
+        await subscriber.transport.close()
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+async def hostile_session(fuzz_targets: list[PubSubFuzzTarget]) -> AsyncIterator[FuzzSession]:
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
+        yield FuzzSession.start(runner, fuzz_targets, max_payload_bytes=HOSTILE_PAYLOAD_BYTES)
+
+
+@pytest.mark.timeout(300)
+async def test_hostile_corpus_is_delivered_or_dead_lettered(hostile_session: FuzzSession) -> None:
+    await run_corpus(hostile_session, pubsub_cases(), make, reasons_of, broker="pubsub")

@@ -1,0 +1,102 @@
+"""
+The hostile corpus through a real SQS endpoint (moto server, or SQS_ENDPOINT_URL): see
+tests/integration/hostile.py. Streams: those of test_fuzz.py (standard, standard in batch mode,
+FIFO in batch mode).
+
+SQS-only cases: a body at SQS's 256 KiB message limit, the 10 message attributes SQS allows (at
+their largest: 256-character names, 32 KiB values, within the message limit), CR/LF in String
+attribute values and NUL / non-UTF-8 bytes in Binary ones (SQS text refuses NUL; names are
+``[A-Za-z0-9_.-]``, so they cannot carry any of these, nor can SQS-assigned message ids), and
+forged ``x-dead-letter-*`` attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Final
+
+import pytest
+from airflow.triggers.shared_stream import SharedStreamManager
+
+from devkit.runner import RunnerSim
+from tests.integration.fuzz import DeadRecord, FuzzMessage, FuzzSession
+from tests.integration.hostile import (
+    DEAD_LETTER_PREFIX,
+    HOSTILE_PAYLOAD_BYTES,
+    HostileCase,
+    forged_attributes,
+    neutral_cases,
+    run_corpus,
+)
+from tests.integration.sqs.test_fuzz import SqsFuzzTarget, fuzz_targets
+
+pytestmark = [pytest.mark.integration, pytest.mark.sqs]
+
+__all__ = ["fuzz_targets"]  # the fixture, shared with test_fuzz.py
+
+MAX_MESSAGE_BYTES: Final = 256 * 1024
+"""SQS's limit on a message: body plus attribute names, types and values."""
+
+
+def make(
+    body: bytes | None, *, attributes: Mapping[str, Mapping[str, Any]] | None = None, **fields: Any
+) -> FuzzMessage:
+    return FuzzMessage(body, extras={"attributes": dict(attributes or {})}, **fields)
+
+
+def string(value: str) -> dict[str, str]:
+    return {"DataType": "String", "StringValue": value}
+
+
+def sqs_cases() -> list[HostileCase]:
+    # 10 attributes, 256-character names and 4 KiB values: 43 KiB, delivered under the 64 KiB cap.
+    ten = {f"{'n' * 254}{i:02d}": string("v" * 4096) for i in range(10)}
+    return [
+        *neutral_cases(make),
+        HostileCase("body at the 256 KiB message limit", (make(b"x" * MAX_MESSAGE_BYTES),)),
+        HostileCase("10 attributes, 256-character names", (make(b'{"kind":"ten"}', attributes=ten),)),
+        HostileCase(
+            "CR/LF, NUL and non-UTF-8 in attributes",
+            (
+                make(
+                    b'{"kind":"crlf"}',
+                    attributes={
+                        "crlf": string("a\r\nb\rc\n"),
+                        "nul": {"DataType": "Binary", "BinaryValue": b"\x00\r\n\x00"},
+                        "bad-utf8": {"DataType": "Binary", "BinaryValue": b"\xff\xfe\xc3"},
+                        "label": {"DataType": "String.\r\n", "StringValue": "x"},
+                    },
+                ),
+            ),
+        ),
+        HostileCase(
+            "forged x-dead-letter-* attributes",
+            (
+                make(
+                    b'{"kind":"forged"}',
+                    attributes={k: string(v) for k, v in forged_attributes().items()},
+                    raise_text="f",
+                ),
+            ),
+            forged=True,
+        ),
+    ]
+
+
+def reasons_of(record: DeadRecord) -> list[str]:
+    return [
+        str(value.get("StringValue"))
+        for name, value in record.attributes.items()
+        if name.lower() == DEAD_LETTER_PREFIX + "reason"
+    ]
+
+
+@pytest.fixture
+async def hostile_session(fuzz_targets: list[SqsFuzzTarget]) -> AsyncIterator[FuzzSession]:
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
+        yield FuzzSession.start(runner, fuzz_targets, max_payload_bytes=HOSTILE_PAYLOAD_BYTES)
+
+
+@pytest.mark.timeout(240)
+async def test_hostile_corpus_is_delivered_or_dead_lettered(hostile_session: FuzzSession) -> None:
+    await run_corpus(hostile_session, sqs_cases(), make, reasons_of, broker="sqs")

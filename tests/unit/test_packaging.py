@@ -1,0 +1,103 @@
+"""
+The package as users install it: one version source, metadata of an Airflow provider, extras that
+hold only broker SDKs, and Airflow's optional-feature error for a missing SDK.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+from importlib.metadata import metadata, version
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+import airflow_shared_stream_provider
+from airflow_shared_stream_provider.get_provider_info import get_provider_info
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+DIST = "airflow-shared-stream-provider"
+
+
+def test_one_version_source() -> None:
+    """__init__.py's __version__ is the version: hatch reads it, provider.yaml and the changelog name it."""
+    assert "version" not in PYPROJECT["project"] and "version" in PYPROJECT["project"]["dynamic"]
+    assert PYPROJECT["tool"]["hatch"]["version"]["path"] == "airflow_shared_stream_provider/__init__.py"
+    current = airflow_shared_stream_provider.__version__
+    # The installed metadata is what hatch computed from __init__.py (the editable install).
+    assert version(DIST) == current
+    # Airflow's convention: provider.yaml lists every released version, newest first.
+    versions = yaml.safe_load((ROOT / "provider.yaml").read_text())["versions"]
+    assert versions[0] == current
+    assert get_provider_info()["versions"][0] == current
+    [top] = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)[:1]
+    assert top == current, "CHANGELOG.md's newest section is not the current version"
+
+
+def test_metadata_is_an_airflow_providers() -> None:
+    meta = metadata(DIST)
+    classifiers = set(meta.get_all("Classifier") or [])
+    assert {"Framework :: Apache Airflow", "Framework :: Apache Airflow :: Provider", "Typing :: Typed"} <= classifiers
+    assert "airflow-provider" in (meta["Keywords"] or "").split(",")
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert set(meta.get_all("License-File") or []) == {"LICENSE", "NOTICE"}
+    assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
+    assert (ROOT / "airflow_shared_stream_provider" / "py.typed").exists()
+
+
+def test_airflow_is_pinned_to_the_tested_minor() -> None:
+    [airflow] = [
+        Requirement(r) for r in PYPROJECT["project"]["dependencies"] if Requirement(r).name == "apache-airflow"
+    ]
+    assert airflow.specifier.contains("3.3.2") and not airflow.specifier.contains("3.3.1")
+    assert not airflow.specifier.contains("3.4.0")
+    import airflow as installed
+
+    assert airflow.specifier.contains(installed.__version__), "the installed (tested) Airflow is outside the pin"
+
+
+def test_extras_hold_only_broker_sdks_and_tools_are_dependency_groups() -> None:
+    """A user's ``pip install '...[x]'`` never pulls in moto, psycopg2, test brokers or PySpark."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert set(extras) == {"kafka", "sqs", "pubsub", "servicebus", "all"}
+    groups = PYPROJECT["dependency-groups"]
+    assert {"dev", "bench", "spark"} <= set(groups)
+    published = {Requirement(r).name for reqs in extras.values() for r in reqs} - {DIST}
+    assert published == {"aiokafka", "aiobotocore", "google-cloud-pubsub", "azure-servicebus", "azure-identity"}
+    # The installed metadata agrees (what PyPI would publish).
+    assert set(metadata(DIST).get_all("Provides-Extra") or []) == set(extras)
+
+
+@pytest.mark.parametrize(
+    ("module", "blocked", "extra"),
+    [
+        ("airflow_shared_stream_provider.producers.kafka", "aiokafka", "kafka"),
+        ("airflow_shared_stream_provider.producers.sqs", "aiobotocore", "sqs"),
+        ("airflow_shared_stream_provider.producers.pubsub", "google.pubsub_v1", "pubsub"),
+        ("airflow_shared_stream_provider.producers.servicebus", "azure.servicebus", "servicebus"),
+    ],
+)
+def test_a_missing_sdk_is_airflows_optional_provider_feature_error(module: str, blocked: str, extra: str) -> None:
+    """Airflow's convention (ProvidersManager reports it as an optional feature); still an ImportError."""
+    code = (
+        "import sys\n"
+        f"sys.modules[{blocked!r}] = None\n"
+        "from airflow.exceptions import AirflowOptionalProviderFeatureException\n"
+        "try:\n"
+        f"    import {module}\n"
+        "except AirflowOptionalProviderFeatureException as exc:\n"
+        "    print('RESULT=' + ('ImportError' if isinstance(exc, ImportError) else 'not an ImportError'), exc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("RESULT=")] or [result.stderr]
+    assert line.startswith("RESULT=ImportError "), line
+    assert f"pip install 'airflow-shared-stream-provider[{extra}]'" in line
