@@ -22,10 +22,12 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow.triggers.shared_stream import SharedStreamManager
+
+ProducerT = TypeVar("ProducerT")
 
 
 def _executor_noop() -> None:
@@ -183,6 +185,23 @@ async def wait_until(predicate: Callable[[], bool], *, timeout: float, interval:
         if loop.time() >= deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what or predicate!r}")
         await asyncio.sleep(interval)
+
+
+def record_producers(monkeypatch: Any, producer_class: type[ProducerT]) -> list[ProducerT]:
+    """
+    Every ``producer_class`` the manager builds from now on, in order (to read its counters and
+    bookkeeping): ``__init__`` is wrapped through ``monkeypatch`` (a pytest MonkeyPatch), so the
+    wrapping ends with the test.
+    """
+    made: list[ProducerT] = []
+    original = producer_class.__init__
+
+    def record(self: ProducerT, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)  # type: ignore[misc]
+        made.append(self)
+
+    monkeypatch.setattr(producer_class, "__init__", record)
+    return made
 
 
 async def settle(rounds: int = 50) -> None:

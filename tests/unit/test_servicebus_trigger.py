@@ -33,7 +33,7 @@ from airflow_shared_stream_provider.triggers.servicebus import (
     ServiceBusSharedStreamTrigger,
     ServiceBusStreamSettings,
 )
-from devkit.runner import RunnerSim, settle, wait_until
+from devkit.runner import RunnerSim, record_producers, settle, wait_until
 
 SECRET = "c2VjcmV0LWtleS12YWx1ZQ=="
 CONN_STR = (
@@ -452,14 +452,7 @@ async def test_ack_timeout_abandons_and_the_poison_cap_dead_letters(fake: FakeRe
 
 
 async def test_lost_lock_is_counted_and_the_group_survives(fake: FakeReceiver, monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[ServiceBusSharedStreamProducer] = []
-    original = ServiceBusSharedStreamProducer.__init__
-
-    def record(self: ServiceBusSharedStreamProducer, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(ServiceBusSharedStreamProducer, "__init__", record)
+    made = record_producers(monkeypatch, ServiceBusSharedStreamProducer)
     fake.lost.add(1)
     fake.publish(FakeMessage(body(1), seq=1))
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.01) as runner:

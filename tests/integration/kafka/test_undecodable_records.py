@@ -18,7 +18,7 @@ import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_shared_stream_provider.producers.kafka import KafkaSharedStreamProducer
-from devkit.runner import RunnerSim, wait_until
+from devkit.runner import RunnerSim, record_producers, wait_until
 from tests.integration.contract import wait_until_async
 
 from .conftest import KafkaAdapter
@@ -39,15 +39,7 @@ def order(number: int, **extra: Any) -> bytes:
 @pytest.fixture
 def producers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[KafkaSharedStreamProducer]]:
     """Every producer the manager builds in this test (to read its counters)."""
-    made: list[KafkaSharedStreamProducer] = []
-    original = KafkaSharedStreamProducer.__init__
-
-    def record(self: KafkaSharedStreamProducer, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(KafkaSharedStreamProducer, "__init__", record)
-    yield made
+    yield record_producers(monkeypatch, KafkaSharedStreamProducer)
 
 
 async def publish_raw(adapter: KafkaAdapter, *records: RawRecord, corrupt_crc: bool = False, gzip: bool = False) -> int:

@@ -15,7 +15,7 @@ from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_shared_stream_provider import RejectMessage, SharedStreamConfigError
 from airflow_shared_stream_provider.producers.pubsub import PubSubSharedStreamProducer
-from devkit.runner import RunnerSim, wait_until
+from devkit.runner import RunnerSim, record_producers, wait_until
 from tests.integration.contract import wait_until_async
 
 pytestmark = [pytest.mark.integration, pytest.mark.pubsub]
@@ -31,15 +31,7 @@ def reject_redelivered(envelope: Mapping[str, Any]) -> bool:
 @pytest.fixture
 def producers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[PubSubSharedStreamProducer]]:
     """Every producer the manager builds in this test (to look at its bookkeeping)."""
-    made: list[PubSubSharedStreamProducer] = []
-    original = PubSubSharedStreamProducer.__init__
-
-    def record(self: PubSubSharedStreamProducer, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(PubSubSharedStreamProducer, "__init__", record)
-    yield made
+    yield record_producers(monkeypatch, PubSubSharedStreamProducer)
 
 
 async def test_dead_letter_topic_that_is_the_subscriptions_own_topic_is_refused(adapter: Any) -> None:

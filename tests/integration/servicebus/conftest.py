@@ -33,6 +33,7 @@ from azure.servicebus.aio import ServiceBusClient
 
 from airflow_shared_stream_provider.producers.servicebus import ServiceBusSharedStreamProducer
 from airflow_shared_stream_provider.triggers.servicebus import ServiceBusSharedStreamTrigger
+from devkit.runner import record_producers
 from tests.servicebus_broker.fixtures import servicebus_broker
 
 __all__ = ["servicebus_broker"]
@@ -217,15 +218,7 @@ def sb_conn(sb: ServiceBusEnv, monkeypatch: pytest.MonkeyPatch) -> str:
 @pytest.fixture
 def producers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[ServiceBusSharedStreamProducer]]:
     """Every producer the manager builds in this test (to read its counters)."""
-    made: list[ServiceBusSharedStreamProducer] = []
-    original = ServiceBusSharedStreamProducer.__init__
-
-    def record(self: ServiceBusSharedStreamProducer, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(ServiceBusSharedStreamProducer, "__init__", record)
-    yield made
+    yield record_producers(monkeypatch, ServiceBusSharedStreamProducer)
 
 
 class ServiceBusAdapter:

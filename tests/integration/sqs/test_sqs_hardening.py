@@ -17,7 +17,7 @@ from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_shared_stream_provider import SharedStreamConfigError
 from airflow_shared_stream_provider.producers.sqs import SqsSharedStreamProducer
-from devkit.runner import RunnerSim, wait_until
+from devkit.runner import RunnerSim, record_producers, wait_until
 from tests.integration.contract import wait_until_async, wait_until_settled
 from tests.integration.sqs.conftest import SqsAdapter
 
@@ -34,15 +34,7 @@ FORGED = {
 @pytest.fixture
 def producers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[SqsSharedStreamProducer]]:
     """Every producer the manager builds in this test (to look at its bookkeeping)."""
-    made: list[SqsSharedStreamProducer] = []
-    original = SqsSharedStreamProducer.__init__
-
-    def record(self: SqsSharedStreamProducer, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(SqsSharedStreamProducer, "__init__", record)
-    yield made
+    yield record_producers(monkeypatch, SqsSharedStreamProducer)
 
 
 async def test_dead_letter_fields_are_the_producers_not_the_senders(adapter: SqsAdapter) -> None:
