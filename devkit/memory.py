@@ -114,6 +114,7 @@ QUIET_POLL = 0.2
 
 class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, MemoryDelivery]):
     broker = "kafka"
+    max_message_bytes = 1024 * 1024  # as Kafka's (its envelopes say "kafka")
 
     # The most bytes the stream's gate held at once while this producer ran (_core/flow.py).
     peak_held_bytes = 0

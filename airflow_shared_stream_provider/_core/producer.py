@@ -47,15 +47,6 @@ DEFAULT_ACK_TIMEOUT = 300.0
 # bookkeeping), and the share of max_in_flight_bytes advanced messages may wait in ``deferred``.
 HELD_OVERHEAD: Final = 1024
 DEFERRED_BYTES_SHARE: Final = 8
-# The largest message each broker takes (Kafka: the default ``message.max.bytes``; SQS since 2025,
-# 256 KiB before; Pub/Sub; Service Bus Premium, Standard takes 256 KiB): the size the byte budget
-# assumes for a stream's first receive, before it has seen a message (_core/flow.py).
-BROKER_MAX_MESSAGE_BYTES: Final[dict[str, int]] = {
-    "kafka": 1024 * 1024,
-    "sqs": 1024 * 1024,
-    "pubsub": 10 * 1000 * 1000,
-    "servicebus": 100 * 1024 * 1024,
-}
 
 
 def body_size(body: object) -> int:
@@ -171,6 +162,9 @@ def held_release_limit(queue_size: int, max_in_flight: int) -> int:
 
 class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT, DeliveryT]):
     broker: ClassVar[BrokerName]
+    # The largest message the broker takes: the size the byte budget assumes for a stream's first
+    # receive, before it has seen a message (_core/flow.py).
+    max_message_bytes: ClassVar[int]
 
     def __init__(self, settings: SettingsT, *, stream_key: Hashable) -> None:
         self.settings = settings
@@ -219,6 +213,13 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         call ``self.deferred.release_all()`` when a receive comes back empty.
         """
 
+    def sdk_buffered_messages(self) -> int:
+        """
+        Messages the broker's SDK buffers by count ahead of a receive, outside the credit (Service
+        Bus ``prefetch_count``): the byte budget reserves room for them at the size estimate.
+        """
+        return 0
+
     def lane_of(self, broker_payload: Any) -> Hashable:
         """The ordered lane of one delivery (partition, message group, session); None = one lane."""
         return None
@@ -257,14 +258,12 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             # An SDK that buffers by count ahead of a receive (Service Bus prefetch_count, per
             # session receiver) holds that many more messages outside our credit: reserved at the
             # size estimate.
-            settings = self.settings
-            receivers = getattr(settings, "max_concurrent_sessions", 1) if getattr(settings, "sessions", False) else 1
-            gate.buffered_messages = getattr(settings, "prefetch_count", 0) * receivers
+            gate.buffered_messages = self.sdk_buffered_messages()
             if not gate.buffered_messages:
                 # The first receive assumes maximum-size messages. Not with a prefetching SDK: it
                 # buffers its prefetch whatever that receive asks for, so a smaller first receive
                 # would bound nothing and only change the order receives take messages in.
-                largest = BROKER_MAX_MESSAGE_BYTES[self.broker]
+                largest = self.max_message_bytes
                 gate.expect_size(largest + min(largest, self.max_envelope_bytes) + HELD_OVERHEAD)
             gate.unfreeze()  # a new group: a stop seen by the previous one is over
             gate.begin_slow_start()

@@ -265,6 +265,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
     """The broker side of :class:`~airflow_shared_stream_provider.triggers.kafka.KafkaSharedStreamTrigger`."""
 
     broker = "kafka"
+    max_message_bytes = 1024 * 1024  # the broker's default message.max.bytes
 
     def __init__(self, settings: KafkaStreamSettings, *, stream_key: Hashable) -> None:
         super().__init__(settings, stream_key=stream_key)

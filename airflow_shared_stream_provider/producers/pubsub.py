@@ -122,6 +122,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
     """One subscriber client, one pull loop, for every watcher of a subscription (see module doc)."""
 
     broker = "pubsub"
+    max_message_bytes = 10 * 1000 * 1000
 
     def __init__(self, settings: PubSubStreamSettings, *, stream_key: Hashable) -> None:
         self.subscription_path: str | None = None  # resolved in open_stream (project may come from the connection)

@@ -157,6 +157,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
     """The broker side of :class:`~airflow_shared_stream_provider.triggers.servicebus.ServiceBusSharedStreamTrigger`."""
 
     broker = "servicebus"
+    max_message_bytes = 100 * 1024 * 1024  # Premium; Standard takes 256 KiB
 
     def __init__(self, settings: ServiceBusStreamSettings, *, stream_key: Hashable) -> None:
         super().__init__(settings, stream_key=stream_key)
@@ -343,6 +344,12 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                     entity_path,
                     stale,
                 )
+
+    def sdk_buffered_messages(self) -> int:
+        """The SDK's prefetch, per receiver: one, or one per session held at once."""
+        settings = self.settings
+        receivers = settings.max_concurrent_sessions if settings.sessions else 1
+        return settings.prefetch_count * receivers
 
     def lane_of(self, broker_payload: Any) -> Hashable:
         return broker_payload.lane  # type: ignore[no-any-return]

@@ -128,6 +128,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
     """One receive loop per queue for every watcher of the stream; see the module docstring."""
 
     broker = "sqs"
+    max_message_bytes = 1024 * 1024  # since 2025; 256 KiB before
     # A clean stop makes the messages still in flight visible again at once; tests that simulate
     # a crash turn this off (a killed triggerer releases nothing).
     release_on_close: ClassVar[bool] = True
