@@ -40,6 +40,11 @@ def get_provider_info() -> dict[str, Any]:
                 "external-doc-url": "https://azure.microsoft.com/products/service-bus",
                 "tags": ["azure"],
             },
+            {
+                "integration-name": "Shared Stream Redis Streams",
+                "external-doc-url": "https://redis.io/docs/latest/develop/data-types/streams/",
+                "tags": ["software"],
+            },
         ],
         "triggers": [
             {
@@ -58,12 +63,17 @@ def get_provider_info() -> dict[str, Any]:
                 "integration-name": "Shared Stream Azure Service Bus",
                 "python-modules": ["airflow_shared_stream_provider.triggers.servicebus"],
             },
+            {
+                "integration-name": "Shared Stream Redis Streams",
+                "python-modules": ["airflow_shared_stream_provider.triggers.redis"],
+            },
         ],
         "queues": [
             "airflow_shared_stream_provider.queues.KafkaSharedStreamQueueProvider",
             "airflow_shared_stream_provider.queues.SqsSharedStreamQueueProvider",
             "airflow_shared_stream_provider.queues.PubSubSharedStreamQueueProvider",
             "airflow_shared_stream_provider.queues.ServiceBusSharedStreamQueueProvider",
+            "airflow_shared_stream_provider.triggers.redis.RedisSharedStreamQueueProvider",
         ],
         "config": {
             "shared_stream_provider": {

@@ -24,6 +24,11 @@ Service Bus           ``shared+servicebus://[<conn_id>]/<queue>`` or            
                                                                                     ``azure_service_bus_conn_id``
 ====================  ============================================================  ==========================
 
+Each provider names its broker (``broker = "kafka"``); its ``scheme`` and trigger class come from the
+broker registry (:mod:`airflow_shared_stream_provider.brokers`), whose ``queue_provider`` entry
+points back at the class, so ``provider.yaml``'s ``queues`` list is written from the registry too. A
+new broker's provider subclasses :class:`SharedStreamQueueProvider` in its own module.
+
 An empty connection part keeps the trigger's default connection. A URI of our scheme that is
 malformed, or that sets an argument also given as a keyword, raises
 :class:`~airflow_shared_stream_provider.SharedStreamConfigError` at Dag parse time: it is
@@ -34,23 +39,36 @@ silent choice between the two values would read the wrong source.
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import unquote, urlsplit
 
 from airflow.providers.common.messaging.providers.base_provider import BaseMessageQueueProvider
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
+from airflow_shared_stream_provider.brokers import broker_spec
 
 if TYPE_CHECKING:
     from airflow.triggers.base import BaseEventTrigger
 
 
-class _SharedStreamQueueProvider(BaseMessageQueueProvider):
-    trigger_path: str
+class SharedStreamQueueProvider(BaseMessageQueueProvider):
+    """
+    The common-messaging provider of one registry broker: a subclass sets ``broker``,
+    ``queue_prefixes`` and :meth:`parse_queue`; ``scheme`` and ``trigger_path`` are the registry's.
+    """
+
+    broker: ClassVar[str]
+    trigger_path: ClassVar[str]
     # Every queue URI this provider accepts starts with one of these. They are disjoint across our
     # providers and from every upstream provider's (which never use a ``shared+`` scheme), so a
     # URI is matched by at most one provider: common-messaging refuses a URI matched by two.
     queue_prefixes: tuple[str, ...]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        spec = broker_spec(cls.broker)  # KeyError at import for a broker not in the registry
+        cls.scheme = spec.queue_scheme
+        cls.trigger_path = spec.trigger_path
 
     def trigger_class(self) -> type[BaseEventTrigger]:
         # Airflow 3.3's import_string (re-exported without __all__, hence the attr-defined ignore).
@@ -82,7 +100,7 @@ class _SharedStreamQueueProvider(BaseMessageQueueProvider):
         """The trigger arguments ``queue`` names; ``kwargs`` are the other ones (read, never changed)."""
 
 
-def _path_segments(queue: str, path: str) -> list[str]:
+def path_segments(queue: str, path: str) -> list[str]:
     """The URI path's segments, percent-decoded; an empty segment (``a//b``, a trailing ``/``) is refused."""
     segments = [unquote(segment) for segment in path.removeprefix("/").split("/")] if path not in ("", "/") else []
     if any(not segment for segment in segments):
@@ -90,16 +108,15 @@ def _path_segments(queue: str, path: str) -> list[str]:
     return segments
 
 
-class KafkaSharedStreamQueueProvider(_SharedStreamQueueProvider):
+class KafkaSharedStreamQueueProvider(SharedStreamQueueProvider):
     """``scheme="shared+kafka"`` -> :class:`~airflow_shared_stream_provider.triggers.kafka.KafkaSharedStreamTrigger`."""
 
-    scheme = "shared+kafka"
-    trigger_path = "airflow_shared_stream_provider.triggers.kafka.KafkaSharedStreamTrigger"
+    broker = "kafka"
     queue_prefixes = ("shared+kafka://",)
 
     def parse_queue(self, queue: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         parts = urlsplit(queue)
-        segments = _path_segments(queue, parts.path)
+        segments = path_segments(queue, parts.path)
         if len(segments) > 1 or parts.query or parts.fragment or (not segments and "topics" not in kwargs):
             raise SharedStreamConfigError(
                 f"queue URI {queue!r} is not shared+kafka://[<kafka_config_id>]/<topic>[,<topic>...] "
@@ -116,11 +133,10 @@ class KafkaSharedStreamQueueProvider(_SharedStreamQueueProvider):
         return result
 
 
-class SqsSharedStreamQueueProvider(_SharedStreamQueueProvider):
+class SqsSharedStreamQueueProvider(SharedStreamQueueProvider):
     """``scheme="shared+sqs"`` -> :class:`~airflow_shared_stream_provider.triggers.sqs.SqsSharedStreamTrigger`."""
 
-    scheme = "shared+sqs"
-    trigger_path = "airflow_shared_stream_provider.triggers.sqs.SqsSharedStreamTrigger"
+    broker = "sqs"
     queue_prefixes = ("shared+sqs+https://", "shared+sqs+http://")
 
     def parse_queue(self, queue: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -128,39 +144,37 @@ class SqsSharedStreamQueueProvider(_SharedStreamQueueProvider):
         # declared with scheme= and the same queue_url must share the stream.
         queue_url = queue.removeprefix("shared+sqs+")
         parts = urlsplit(queue_url)
-        if not parts.netloc or len(_path_segments(queue, parts.path)) < 2 or parts.query or parts.fragment:
+        if not parts.netloc or len(path_segments(queue, parts.path)) < 2 or parts.query or parts.fragment:
             raise SharedStreamConfigError(
                 f"queue URI {queue!r} is not shared+sqs+<queue URL> (https://sqs.<region>.amazonaws.com/<account>/<queue>)"
             )
         return {"queue_url": queue_url}
 
 
-class PubSubSharedStreamQueueProvider(_SharedStreamQueueProvider):
+class PubSubSharedStreamQueueProvider(SharedStreamQueueProvider):
     """``scheme="shared+pubsub"`` -> ``airflow_shared_stream_provider.triggers.pubsub.PubSubSharedStreamTrigger``."""
 
-    scheme = "shared+pubsub"
-    trigger_path = "airflow_shared_stream_provider.triggers.pubsub.PubSubSharedStreamTrigger"
+    broker = "pubsub"
     queue_prefixes = ("shared+pubsub://",)
 
     def parse_queue(self, queue: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         parts = urlsplit(queue)
-        segments = _path_segments(queue, parts.path)
+        segments = path_segments(queue, parts.path)
         if not parts.netloc or len(segments) != 1 or parts.query or parts.fragment:
             raise SharedStreamConfigError(f"queue URI {queue!r} is not shared+pubsub://<project>/<subscription>")
         # The full path: the trigger checks it (and any project_id keyword) like a path given directly.
         return {"subscription": f"projects/{unquote(parts.netloc)}/subscriptions/{segments[0]}"}
 
 
-class ServiceBusSharedStreamQueueProvider(_SharedStreamQueueProvider):
+class ServiceBusSharedStreamQueueProvider(SharedStreamQueueProvider):
     """``scheme="shared+servicebus"`` -> the Service Bus ``ServiceBusSharedStreamTrigger``."""
 
-    scheme = "shared+servicebus"
-    trigger_path = "airflow_shared_stream_provider.triggers.servicebus.ServiceBusSharedStreamTrigger"
+    broker = "servicebus"
     queue_prefixes = ("shared+servicebus://",)
 
     def parse_queue(self, queue: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         parts = urlsplit(queue)
-        segments = _path_segments(queue, parts.path)
+        segments = path_segments(queue, parts.path)
         result: dict[str, Any]
         if len(segments) == 1:
             result = {"queue_name": segments[0]}

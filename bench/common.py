@@ -53,6 +53,7 @@ from devkit.memory import (
     MemoryMessage,
     MemorySharedStreamProducer,
     MemorySharedStreamTrigger,
+    MemoryStreamSettings,
 )
 from devkit.runner import RunnerSim
 
@@ -255,7 +256,7 @@ def prebuild(
     for index, body in enumerate(bodies):
         message_id = f"{name}-{index}"
         envelope, forced = build_envelope(
-            broker="kafka",
+            broker=MemoryStreamSettings.broker,
             source=f"memory://{name}",
             message_id=message_id,
             body=body,

@@ -65,6 +65,7 @@ async def child(args: argparse.Namespace) -> dict[str, Any]:
     from airflow.triggers.shared_stream import SharedStreamManager
 
     from airflow_shared_stream_provider._core.flow import gates
+    from airflow_shared_stream_provider._core.producer import SharedStreamProducerBase
     from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
     from airflow_shared_stream_provider.triggers.pubsub import PubSubSharedStreamTrigger
     from airflow_shared_stream_provider.triggers.servicebus import ServiceBusSharedStreamTrigger
@@ -84,6 +85,18 @@ async def child(args: argparse.Namespace) -> dict[str, Any]:
     key = triggers[0].shared_stream_key()
     process = psutil.Process()
     idle_rss = process.memory_info().rss
+    # "Idle" as a triggerer running this stream is idle: its SDK imported, the client connected,
+    # the subscription / queue checked, nothing received yet. The base calls cohort_ready() right
+    # after the broker connection is made and before the first receive.
+    open_rss: list[int] = []
+    original_cohort_ready = SharedStreamProducerBase.cohort_ready
+
+    async def cohort_ready(self: Any) -> None:
+        if not open_rss:
+            open_rss.append(process.memory_info().rss)
+        await original_cohort_ready(self)
+
+    SharedStreamProducerBase.cohort_ready = cohort_ready  # type: ignore[method-assign]
     peak_held = 0
     peak_sampled = 0
 
@@ -118,6 +131,7 @@ async def child(args: argparse.Namespace) -> dict[str, Any]:
         await sampler
     return {
         "idle_rss": idle_rss,
+        "open_rss": open_rss[0] if open_rss else idle_rss,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_rss_sampled": peak_sampled,
         "peak_held": peak_held,
@@ -230,8 +244,9 @@ def row(
         "budget": ("off" if budget == OFF else f"{budget // MiB} MiB")
         + (f", prefetch {args.prefetch}" if broker == "servicebus" and args.prefetch is not None else ""),
         "idle_rss_mb": result["idle_rss"] / MiB,
+        "open_rss_mb": result["open_rss"] / MiB,
         "peak_rss_mb": result["peak_rss"] / MiB,
-        "growth_mb": (result["peak_rss"] - result["idle_rss"]) / MiB,
+        "growth_mb": (result["peak_rss"] - result["open_rss"]) / MiB,
         "peak_held_mb": result["peak_held"] / MiB,
         "seconds": result["seconds"],
         "lost": lost,
@@ -239,12 +254,16 @@ def row(
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = "| broker | message | backlog | budget | idle RSS | peak RSS | growth | peak held | time | lost |"
-    lines = [header, "|" + "---|" * 10]
+    header = (
+        "| broker | message | backlog | budget | RSS at start | RSS stream open | peak RSS | growth"
+        " | peak held | time | lost |"
+    )
+    lines = [header, "|" + "---|" * 11]
     for r in rows:
         lines.append(
             f"| {r['broker']} | {r['message_mb']:.1f} MB | {r['backlog_mb']:.0f} MB | {r['budget']} "
-            f"| {r['idle_rss_mb']:.0f} MiB | {r['peak_rss_mb']:.0f} MiB | {r['growth_mb']:.0f} MiB "
+            f"| {r['idle_rss_mb']:.0f} MiB | {r['open_rss_mb']:.0f} MiB | {r['peak_rss_mb']:.0f} MiB "
+            f"| {r['growth_mb']:.0f} MiB "
             f"| {r['peak_held_mb']:.0f} MiB | {r['seconds']:.1f} s | {r['lost']} |"
         )
     return "\n".join(lines)

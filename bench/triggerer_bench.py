@@ -75,18 +75,25 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Final
 
+from airflow_shared_stream_provider.brokers import HarnessTable, broker_spec, harness_names, load, sdk_module_prefixes
 from bench.common import RESULTS_DIR, ROOT, as_json, fmt_num, fmt_rate, machine_info, markdown_table
 from devkit.airflow_env import AirflowEnv, AirflowEnvError
 from devkit.ports import free_port, wait_for_port
 from devkit.postgres import FAST_SETTINGS, PostgresServer
 
-BROKERS: Final = ("kafka", "sqs", "pubsub", "servicebus")
+if __name__ == "__main__":
+    # Run as ``python -m bench.triggerer_bench``: the registry's ``bench.triggerer_bench:KafkaBroker``
+    # paths must find this module, not import a second copy of it.
+    sys.modules.setdefault("bench.triggerer_bench", sys.modules[__name__])
+
+# Every registry broker with a bench harness (harness.bench in airflow_shared_stream_provider/brokers.py).
+BROKERS: Final = harness_names("bench")
 DBS: Final = ("sqlite", "postgres")
 MODES: Final = ("per-message", "batch")
 IMPLS: Final = ("ours", "upstream")
@@ -510,12 +517,9 @@ class ServiceBusStream(BenchStream):
         return {self.conn_id: {"conn_type": "azure_service_bus", "schema": self.connection_string}}
 
 
-BROKER_CLASSES: Final[dict[str, type[BenchBroker]]] = {
-    "kafka": KafkaBroker,
-    "sqs": SqsBroker,
-    "pubsub": PubSubBroker,
-    "servicebus": ServiceBusBroker,
-}
+# name -> BenchBroker, loaded from the registry's harness.bench on lookup (a new broker's class may
+# live in its own module).
+BROKER_CLASSES: Final[Mapping[str, type[BenchBroker]]] = HarnessTable("bench")
 
 
 def _stop_process(proc: subprocess.Popen[bytes]) -> None:
@@ -1258,7 +1262,7 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--brokers", type=_words(BROKERS), default=["kafka"], help="kafka,sqs,pubsub,servicebus")
+    parser.add_argument("--brokers", type=_words(BROKERS), default=["kafka"], help=",".join(BROKERS))
     parser.add_argument("--dbs", type=_words(DBS), default=list(DBS), help="sqlite,postgres")
     parser.add_argument("--impls", type=_words(IMPLS), default=["ours"], help="ours,upstream (upstream: kafka only)")
     parser.add_argument("--modes", type=_words(MODES), default=["per-message"], help="per-message,batch")
@@ -1308,38 +1312,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def batch_supported(broker: str) -> bool:
-    """Whether this checkout's triggers take ``batch_size`` (batch mode landed)."""
-    import importlib
+    """Whether this checkout's triggers take ``batch_size`` (batch mode landed): a field of the broker's settings."""
+    import dataclasses
 
-    paths: dict[str, tuple[str, str, dict[str, Any]]] = {
-        "kafka": (
-            "airflow_shared_stream_provider.triggers.kafka",
-            "KafkaSharedStreamTrigger",
-            {"topics": ["bench-topic"]},
-        ),
-        "sqs": (
-            "airflow_shared_stream_provider.triggers.sqs",
-            "SqsSharedStreamTrigger",
-            {"queue_url": "https://sqs.us-east-1.amazonaws.com/123456789012/q"},
-        ),
-        "pubsub": (
-            "airflow_shared_stream_provider.triggers.pubsub",
-            "PubSubSharedStreamTrigger",
-            {"subscription": "projects/bench-project/subscriptions/bench-sub"},
-        ),
-        "servicebus": (
-            "airflow_shared_stream_provider.triggers.servicebus",
-            "ServiceBusSharedStreamTrigger",
-            {"queue_name": "bench-queue"},
-        ),
-    }
-    module, cls, kwargs = paths[broker]
-    try:
-        trigger_class = getattr(importlib.import_module(module), cls)
-        trigger_class(**kwargs, batch_size=2)
-    except TypeError:
-        return False
-    return True
+    settings = load(broker_spec(broker).settings)
+    return "batch_size" in {f.name for f in dataclasses.fields(settings)}
 
 
 def source_state() -> dict[str, Any]:
@@ -1387,7 +1364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # The publishers' SDKs log every connection state change at INFO (Airflow's logging config is
     # active in this process through bench.common's imports): keep the driver's output to results.
-    for name in ("azure", "aiokafka", "botocore", "google"):
+    for name in sorted({prefix.partition(".")[0] for prefix in sdk_module_prefixes()}):
         logging.getLogger(name).setLevel(logging.WARNING)
     started_at = datetime.now().isoformat(timespec="seconds")
     specs: list[CaseSpec] = []

@@ -40,6 +40,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from airflow_shared_stream_provider.brokers import harness_names
 from devkit.airflow_env import AirflowEnv, AirflowEnvError
 
 # The "X as X" names are re-exported: tests/e2e import them from here, where they were defined
@@ -515,10 +516,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=20.0, help="messages per second (default 20)")
     parser.add_argument(
         "--broker",
-        choices=["kafka", "sqs", "pubsub"],
+        # Every registry broker with a demo stream (harness.demo), named without importing any.
+        choices=list(harness_names("demo")),
         default="kafka",
-        help="kafka (Tansu, default), sqs (moto server) or pubsub (Google's emulator): same scenario, "
-        "that broker's example Dags",
+        help="kafka (Tansu, default), sqs (moto server) or pubsub (Google's emulator), or any broker with a "
+        "demo stream: same scenario, that broker's example Dags",
     )
     parser.add_argument(
         "--spark",

@@ -1,6 +1,6 @@
 """
 The brokers the demo (``python -m devkit.demo --broker kafka|sqs|pubsub``) can run on, behind one
-shape.
+shape: each registry broker whose ``harness.demo`` names its :class:`DemoStream`.
 
 A :class:`DemoStream` starts its local broker, creates the source and dead-letter destinations,
 names the example Dag files, watchers and Dags of its broker, publishes the scenario's orders and
@@ -19,10 +19,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, Protocol, TypeVar
 
+from airflow_shared_stream_provider.brokers import HarnessTable
 from devkit.brokers import BrokerProcess, start_kafka, start_moto, start_pubsub_emulator, stop_moto
 from devkit.demo_types import (
     DLQ_TOPIC,
@@ -588,8 +589,6 @@ class PubSubDemoStream(DemoStream[PubSubOrders]):
         return len(self.orders.dead_letters())
 
 
-STREAMS: Final[dict[str, type[DemoStream[Any]]]] = {
-    "kafka": KafkaDemoStream,
-    "sqs": SqsDemoStream,
-    "pubsub": PubSubDemoStream,
-}
+# name -> DemoStream of every registry broker with a demo (harness.demo in
+# airflow_shared_stream_provider/brokers.py), loaded on lookup: a new broker's may live in its own module.
+STREAMS: Final[Mapping[str, type[DemoStream[Any]]]] = HarnessTable("demo")

@@ -18,7 +18,7 @@ import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
@@ -27,6 +27,7 @@ from airflow_shared_stream_provider._core.dispositions import Disposition
 from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.settings import StreamSettings
 from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
+from airflow_shared_stream_provider.brokers import BrokerName
 
 
 @dataclass
@@ -98,7 +99,9 @@ def memory_broker(name: str) -> MemoryBroker:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MemoryStreamSettings(StreamSettings):
-    broker: ClassVar[Literal["kafka"]] = "kafka"  # envelopes need a known broker name; unused otherwise
+    # A test broker's own name: in no registry list (airflow_shared_stream_provider.brokers), so
+    # nothing offers it to users; envelopes and metrics say "memory".
+    broker: ClassVar[BrokerName] = BrokerName("memory")
     broker_name: str
     lanes: bool = False
 
@@ -113,8 +116,7 @@ QUIET_POLL = 0.2
 
 
 class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, MemoryDelivery]):
-    broker = "kafka"
-    max_message_bytes = 1024 * 1024  # as Kafka's (its envelopes say "kafka")
+    max_message_bytes = 1024 * 1024  # as Kafka's: the byte budget's first receive sizes as with Kafka
 
     # The most bytes the stream's gate held at once while this producer ran (_core/flow.py).
     peak_held_bytes = 0

@@ -6,16 +6,23 @@ The orders data pipeline on Spark (PySpark), fed by a shared-stream asset.
 1. ``extract`` (plain ``@task``) reads the run's ``triggering_asset_events``, deduplicates them on
    ``message_id`` and turns the envelopes into order rows (pure Python, small: the XCom is the batch);
 2. ``aggregate`` (``@task.pyspark``) makes a DataFrame of the rows, drops every ``message_id``
-   already stored by an earlier run, appends the new rows to the ``order_lines`` Parquet dataset and
-   their revenue per region and minute to ``revenue_by_region_minute``.
+   already stored by an earlier run, appends the new rows to the ``order_lines`` Parquet dataset,
+   their keys to ``order_keys`` and their revenue per region and minute to
+   ``revenue_by_region_minute``.
 
 Idempotency (a re-run, a retry or a redelivered message never double-counts):
 
-* both datasets are partitioned by ``batch_id`` (the Dag run id) and written with **dynamic
-  partition overwrite**: a retry of a run rewrites its own partition instead of appending again;
+* every dataset is partitioned by ``batch_id`` (the Dag run id) and written with **dynamic
+  partition overwrite**: a retry of a run rewrites its own partitions instead of appending again;
 * the ``message_id``\\ s stored by *other* batches are anti-joined away before writing, so a message
   delivered twice (triggerer crash before the offset commit) is counted in the first batch only;
 * ``max_active_runs=1``: batches are written one at a time.
+
+The dedup reads only ``order_keys`` (``message_id`` alone), and only the hours this batch's orders
+belong to (``key_hour`` partitions, from the order's minute): a redelivered message carries the
+same body and publish time, so its key is in the same hour as the first copy's. One run's cost
+therefore follows the orders of an hour, not the table's whole history (measured by
+``bench/pipeline_history_bench.py``, docs/spark.md).
 
 Spark: ``local[*]`` by default. When the ``ORDERS_SPARK_CONN_ID`` environment variable (read where
 the Dag file is parsed) names an Airflow connection, its host says where the job runs (``local[2]``,
@@ -103,6 +110,30 @@ def _stored(spark: SparkSession, path: str) -> DataFrame | None:
     return stored
 
 
+def key_hour(minute: str) -> str:
+    """The ``order_keys`` partition of an order: the hour of its minute (``YYYY-MM-DDTHH``)."""
+    return minute[:13]
+
+
+def _keys_of_other_batches(spark: SparkSession, keys_path: str, hours: list[str], batch_id: str) -> DataFrame | None:
+    """
+    The ``message_id``\\ s other batches stored in ``hours`` (None when there are none yet).
+
+    Each hour's directory is read as its own dataset: reading ``order_keys`` whole and filtering on
+    ``key_hour`` would prune the files Spark reads but still list every partition of the history.
+    """
+    from pyspark.sql import functions as F  # noqa: N812
+
+    earlier: DataFrame | None = None
+    for hour in hours:
+        stored = _stored(spark, f"{keys_path}/key_hour={hour}")
+        if stored is None:
+            continue
+        ids = stored.where(F.col("batch_id") != F.lit(batch_id)).select("message_id")
+        earlier = ids if earlier is None else earlier.unionByName(ids)
+    return earlier
+
+
 def write_order_batch(spark: SparkSession, rows: list[dict[str, Any]], base_path: str, batch_id: str) -> dict[str, Any]:
     """
     Append one batch of order rows to ``<base>/order_lines`` and its aggregates to
@@ -121,16 +152,16 @@ def write_order_batch(spark: SparkSession, rows: list[dict[str, Any]], base_path
         ]
     )
     lines_path = f"{base_path.rstrip('/')}/order_lines"
+    keys_path = f"{base_path.rstrip('/')}/order_keys"
     revenue_path = f"{base_path.rstrip('/')}/revenue_by_region_minute"
     spark.conf.set("spark.sql.sources.partitionOverwriteMode", "dynamic")
 
     batch = spark.createDataFrame([tuple(row[c] for c in ORDER_COLUMNS) for row in rows], schema)
     batch = batch.dropDuplicates(["message_id"])
-    stored = _stored(spark, lines_path)
-    if stored is not None:
-        # Everything other batches already counted; this batch's own partition is excluded so a
+    earlier = _keys_of_other_batches(spark, keys_path, sorted({key_hour(row["minute"]) for row in rows}), batch_id)
+    if earlier is not None:
+        # Everything other batches already counted; this batch's own keys are excluded so a
         # retry of the same run recomputes the same rows and overwrites them.
-        earlier = stored.where(F.col("batch_id") != F.lit(batch_id)).select("message_id")
         batch = batch.join(earlier, on="message_id", how="left_anti")
     # Materialize the (small) batch: the write below replaces files of the dataset it was read
     # from, and Spark refuses to overwrite a path the same plan reads.
@@ -140,6 +171,10 @@ def write_order_batch(spark: SparkSession, rows: list[dict[str, Any]], base_path
         return {"batch_id": batch_id, "received": received, "new": 0, "duplicates": received, "groups": 0}
     fresh = spark.createDataFrame(new_rows, schema).withColumn("batch_id", F.lit(batch_id))
     fresh.coalesce(1).write.mode("overwrite").partitionBy("batch_id").parquet(lines_path)
+    # The keys last: a run that fails before this line left no key behind, so its retry (same
+    # batch_id) and any later batch still count its orders exactly once.
+    keys = fresh.select("message_id", F.substring("minute", 1, 13).alias("key_hour"), "batch_id")
+    keys.coalesce(1).write.mode("overwrite").partitionBy("key_hour", "batch_id").parquet(keys_path)
     revenue = (
         fresh.groupBy("batch_id", "region", "minute")
         .agg(F.count("*").alias("orders"), F.round(F.sum("amount"), 2).alias("revenue"))

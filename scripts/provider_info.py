@@ -7,6 +7,11 @@ providers (whose ``get_provider_info.py`` is generated from it by breeze): edit 
     .venv/bin/python -m scripts.provider_info            # rewrite get_provider_info.py
     .venv/bin/python -m scripts.provider_info --check    # exit 1 if it differs (scripts/test.sh runs this)
 
+Its broker sections (``integrations``, ``triggers``, ``queues``) are not edited by hand: they are
+written into ``provider.yaml``, between the two marker comments, from the broker registry
+(``airflow_shared_stream_provider/brokers.py``), by the same command; ``--check`` fails when they
+differ from it. So a new broker is one registry entry here too.
+
 The generated module is a literal ``dict`` (no YAML parsing at import time: Airflow's
 ProvidersManager imports it in every process), formatted with the project's ruff settings so that
 ``ruff format --check`` accepts it as written.
@@ -111,8 +116,56 @@ def render(info: dict[str, Any], output: Path = OUTPUT) -> str:
     return formatted.stdout
 
 
-def load(provider_yaml: Path = PROVIDER_YAML) -> dict[str, Any]:
-    info = yaml.safe_load(provider_yaml.read_text())
+BROKERS_BEGIN = "# -- brokers: written from airflow_shared_stream_provider/brokers.py by scripts/provider_info.py --\n"
+BROKERS_END = "# -- end of the brokers --\n"
+
+
+def broker_sections() -> dict[str, Any]:
+    """``integrations``, ``triggers`` and ``queues`` as the registry says, one item per broker."""
+    from airflow_shared_stream_provider.brokers import BROKERS
+
+    return {
+        "integrations": [
+            {"integration-name": s.integration_name, "external-doc-url": s.external_doc_url, "tags": list(s.tags)}
+            for s in BROKERS
+        ],
+        "triggers": [{"integration-name": s.integration_name, "python-modules": [s.trigger_module]} for s in BROKERS],
+        "queues": [s.queue_provider_path for s in BROKERS],
+    }
+
+
+def broker_block() -> str:
+    """The YAML text between the markers (written in provider.yaml's own style, checked by parsing it back)."""
+    sections = broker_sections()
+    lines = ["integrations:"]
+    for item in sections["integrations"]:
+        lines += [
+            f"  - integration-name: {item['integration-name']}",
+            f"    external-doc-url: {item['external-doc-url']}",
+            f"    tags: [{', '.join(item['tags'])}]",
+        ]
+    lines.append("triggers:")
+    for item in sections["triggers"]:
+        lines += [f"  - integration-name: {item['integration-name']}", "    python-modules:"]
+        lines += [f"      - {module}" for module in item["python-modules"]]
+    lines.append("queues:")
+    lines += [f"  - {path}" for path in sections["queues"]]
+    block = "\n".join(lines) + "\n"
+    if yaml.safe_load(block) != sections:  # a value YAML would read differently written plain
+        raise SystemExit(f"provider_info: the registry's broker sections do not round-trip as YAML:\n{block}")
+    return block
+
+
+def with_broker_block(text: str, provider_yaml: Path) -> str:
+    """``provider.yaml``'s text with the block between the markers replaced by :func:`broker_block`."""
+    begin, end = text.find(BROKERS_BEGIN), text.find(BROKERS_END)
+    if begin < 0 or end < begin:
+        raise SystemExit(f"provider_info: {provider_yaml} lacks the broker markers:\n{BROKERS_BEGIN}{BROKERS_END}")
+    return text[: begin + len(BROKERS_BEGIN)] + broker_block() + text[end:]
+
+
+def load(provider_yaml: Path = PROVIDER_YAML, text: str | None = None) -> dict[str, Any]:
+    info = yaml.safe_load(provider_yaml.read_text() if text is None else text)
     if not isinstance(info, dict):
         raise SystemExit(f"provider_info: {provider_yaml} is not a mapping")
     return info
@@ -125,9 +178,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=OUTPUT)
     args = parser.parse_args(argv)
 
-    expected = render(load(args.provider_yaml), args.output)
+    yaml_text = args.provider_yaml.read_text()
+    expected_yaml = with_broker_block(yaml_text, args.provider_yaml)
+    expected = render(load(args.provider_yaml, expected_yaml), args.output)
     current = args.output.read_text() if args.output.exists() else ""
     if args.check:
+        if yaml_text != expected_yaml:
+            diff = difflib.unified_diff(
+                yaml_text.splitlines(keepends=True),
+                expected_yaml.splitlines(keepends=True),
+                fromfile=f"{args.provider_yaml} (on disk)",
+                tofile=f"{args.provider_yaml} (brokers from airflow_shared_stream_provider/brokers.py)",
+            )
+            sys.stderr.write("".join(diff))
+            sys.stderr.write(
+                f"provider_info: {args.provider_yaml.name}'s broker sections differ from the broker registry; "
+                "run: .venv/bin/python -m scripts.provider_info\n"
+            )
+            return 1
         if current == expected:
             print(f"provider_info: {args.output.name} matches {args.provider_yaml.name}")
             return 0
@@ -143,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
             "run: .venv/bin/python -m scripts.provider_info\n"
         )
         return 1
+    if yaml_text != expected_yaml:
+        args.provider_yaml.write_text(expected_yaml)
+        print(f"provider_info: wrote the broker sections of {args.provider_yaml}")
     if current != expected:
         args.output.write_text(expected)
         print(f"provider_info: wrote {args.output}")

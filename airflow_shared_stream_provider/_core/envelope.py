@@ -6,7 +6,7 @@ An envelope is a JSON-safe ``dict`` built **once per broker message** by the pro
 metadata DB. Keys (always present):
 
 ==================  ===========================================================================
-``broker``          ``"kafka" | "sqs" | "pubsub" | "servicebus"``
+``broker``          the broker's registry name (:mod:`airflow_shared_stream_provider.brokers`): ``"kafka"``, ...
 ``source``          topic / queue URL / subscription path / entity path the message came from
 ``message_id``      stable per broker message (Kafka: ``"topic/partition/offset"``): dedup on it
 ``body``            parsed JSON if the bytes are JSON nested at most :data:`MAX_BODY_DEPTH` levels,
@@ -45,7 +45,8 @@ from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
-BrokerName = Literal["kafka", "sqs", "pubsub", "servicebus"]
+from airflow_shared_stream_provider.brokers import BrokerName
+
 OversizePolicy = Literal["dead_letter", "truncate"]
 OVERSIZE_POLICIES: Final = ("dead_letter", "truncate")
 

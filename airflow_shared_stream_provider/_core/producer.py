@@ -25,7 +25,6 @@ from airflow_shared_stream_provider._core.batching import BATCH_OVERHEAD, Batche
 from airflow_shared_stream_provider._core.cohort import cohort_limits, cohort_record_enabled, record_key
 from airflow_shared_stream_provider._core.dispositions import COMMIT_DECISION, Decision, Disposition, decide
 from airflow_shared_stream_provider._core.envelope import (
-    BrokerName,
     DeliveryLike,
     StreamMessage,
     build_envelope,
@@ -39,6 +38,7 @@ from airflow_shared_stream_provider._core.release import ENTRIES_PER_MESSAGE, De
 from airflow_shared_stream_provider._core.settings import StreamSettings
 from airflow_shared_stream_provider._core.split import SplitWatch, heartbeat_interval
 from airflow_shared_stream_provider._core.tasks import cancel_and_wait
+from airflow_shared_stream_provider.brokers import BrokerName
 
 DEFAULT_QUEUE_SIZE = 1024
 DEFAULT_ACK_TIMEOUT = 300.0
@@ -161,13 +161,15 @@ def held_release_limit(queue_size: int, max_in_flight: int) -> int:
 
 
 class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT, DeliveryT]):
-    broker: ClassVar[BrokerName]
     # The largest message the broker takes: the size the byte budget assumes for a stream's first
     # receive, before it has seen a message (_core/flow.py).
     max_message_bytes: ClassVar[int]
 
     def __init__(self, settings: SettingsT, *, stream_key: Hashable) -> None:
         self.settings = settings
+        # Declared once, by the settings class (the registry test checks it is the broker's
+        # registry name): the envelope's ``broker`` and the metrics' prefix.
+        self.broker: BrokerName = settings.broker
         self.stream_key = stream_key
         self.log = logging.getLogger(f"{type(self).__module__}.{type(self).__name__}")
         self.counters = StreamCounters(self.broker, self.source_label())

@@ -21,11 +21,11 @@ from airflow_shared_stream_provider._core.dispositions import DEFAULT_MAX_DELIVE
 from airflow_shared_stream_provider._core.envelope import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     OVERSIZE_POLICIES,
-    BrokerName,
     OversizePolicy,
 )
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.flow import DEFAULT_MAX_IN_FLIGHT_BYTES
+from airflow_shared_stream_provider.brokers import BrokerName
 
 # Below this a budget would hold about one message at a time even for small messages.
 MIN_IN_FLIGHT_BYTES = 64 * 1024

@@ -67,6 +67,7 @@ from airflow_shared_stream_provider._core.filtering import (
 from airflow_shared_stream_provider._core.flow import FlowGate, gates
 from airflow_shared_stream_provider._core.positions import position_key
 from airflow_shared_stream_provider._core.settings import StreamSettings
+from airflow_shared_stream_provider.brokers import find_broker
 
 if TYPE_CHECKING:
     from airflow.triggers.shared_stream import SharedStreamProducer
@@ -513,15 +514,16 @@ def _stopping(gate: FlowGate, key: Hashable) -> None:
         gate.freeze()
 
 
-# The settings that name a stream's source, in the order they are looked for in its key.
-_SOURCE_FIELDS: Final = ("topics", "queue_url", "subscription", "queue_name", "topic_name")
-
-
 def _stream_name(key: Hashable) -> str:
-    """``kafka ['orders']`` for a key of ours (namespace, broker, settings pairs); else the key itself."""
+    """
+    ``kafka ['orders']`` for a key of ours (namespace, broker, settings pairs); else the key itself.
+    The settings naming the source are the broker's ``source_fields`` in the registry (a test
+    broker, in no registry, is shown by its key).
+    """
     if isinstance(key, tuple) and len(key) == 3 and isinstance(key[2], tuple):
+        spec = find_broker(key[1]) if isinstance(key[1], str) else None
         fields = dict(pair for pair in key[2] if isinstance(pair, tuple) and len(pair) == 2)
-        source = next((fields[name] for name in _SOURCE_FIELDS if fields.get(name)), None)
+        source = next((fields[name] for name in spec.source_fields if fields.get(name)), None) if spec else None
         if source is not None:
             return f"{key[1]} {source!r}"
     return repr(key)

@@ -92,7 +92,7 @@ from airflow_shared_stream_provider._core.positions import PositionMember, posit
 from airflow_shared_stream_provider._core.producer import Decided, SharedStreamProducerBase
 from airflow_shared_stream_provider.producers.kafka_config import (
     KafkaClientConfig,
-    kafka_client_config,
+    load_kafka_client_config,
 )
 from airflow_shared_stream_provider.producers.kafka_groups import (
     GroupClaim,
@@ -264,7 +264,6 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, KafkaMessage]):
     """The broker side of :class:`~airflow_shared_stream_provider.triggers.kafka.KafkaSharedStreamTrigger`."""
 
-    broker = "kafka"
     max_message_bytes = 1024 * 1024  # the broker's default message.max.bytes
 
     def __init__(self, settings: KafkaStreamSettings, *, stream_key: Hashable) -> None:
@@ -299,18 +298,10 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
 
     # -- connection ----------------------------------------------------------------------------
     async def _load_config(self) -> KafkaClientConfig:
-        from airflow.sdk import BaseHook
-
-        conn_id = self.settings.kafka_config_id
-        try:
-            connection = await BaseHook.aget_connection(conn_id)
-        except Exception as exc:
-            raise SharedStreamConfigError(f"Kafka connection {conn_id!r} could not be read: {exc}") from exc
         # effective_group_id() is the trigger's group_id when set (which wins over the connection's
         # group.id anyway), else the derived name: the last resort.
-        return kafka_client_config(
-            conn_id,
-            connection.extra_dejson,
+        return await load_kafka_client_config(
+            self.settings.kafka_config_id,
             trigger_group_id=self.settings.group_id,
             derived_group_id=self.settings.effective_group_id(),
         )
@@ -701,7 +692,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                         # The hot path builds the envelope itself (no method call per record); the
                         # base's guard answers when it raises: forced-rejected, never the group's end.
                         envelope, forced = build_envelope(
-                            broker="kafka",
+                            broker=self.broker,
                             source=topic,
                             message_id=id_prefix + str(offset),
                             body=record.value,
@@ -756,7 +747,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         reason = f"undecodable Kafka record at {location}: {record.reason}"
         self.log.warning("%s; every watcher rejects it, so it is dead-lettered", reason)
         envelope, _ = build_envelope(
-            broker="kafka",
+            broker=self.broker,
             source=tp.topic,
             message_id=f"{tp.topic}/{tp.partition}/{record.offset}",
             body=None,

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from airflow_shared_stream_provider._core.connections import register_secrets
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 
 DEFAULT_RETRY_BACKOFF_MS = 1000
@@ -104,6 +105,7 @@ _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER")
 _OFFSET_RESETS = ("earliest", "latest", "none")
 _SECRET_HINTS = ("password", "secret", "token")
+_SECRET_KEYS = ("sasl.password", "ssl.key.password")
 
 
 GroupSource = Literal["trigger", "connection", "derived"]
@@ -268,3 +270,28 @@ def kafka_client_config(
     )
     common = {k: consumer[k] for k in common_keys if k in consumer}
     return KafkaClientConfig(consumer=consumer, common=common, group=group, ssl=ssl, check_hostname=check_hostname)
+
+
+async def load_kafka_client_config(
+    conn_id: str, *, trigger_group_id: str | None, derived_group_id: str
+) -> KafkaClientConfig:
+    """
+    Read the ``kafka`` connection ``conn_id`` and translate it (:func:`kafka_client_config`).
+
+    The SASL password and the SSL key password are registered with Airflow's secrets masker first,
+    as read and as used (stripped), before anything can fail on them: Airflow masks the whole extra
+    text and, by name, the extras it is told about, but registers the latter synchronously, which
+    does not reach the triggerer's supervisor from a producer's task (see
+    :func:`~airflow_shared_stream_provider._core.connections.register_secrets`).
+    """
+    from airflow.sdk import BaseHook
+
+    try:
+        connection = await BaseHook.aget_connection(conn_id)
+    except Exception as exc:
+        raise SharedStreamConfigError(f"Kafka connection {conn_id!r} could not be read: {exc}") from exc
+    extras = connection.extra_dejson
+    for raw_key, value in extras.items():
+        if raw_key.strip() in _SECRET_KEYS and value is not None:
+            await register_secrets(str(value), _text(value))
+    return kafka_client_config(conn_id, extras, trigger_group_id=trigger_group_id, derived_group_id=derived_group_id)

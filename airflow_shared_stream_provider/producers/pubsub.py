@@ -65,7 +65,6 @@ from airflow_shared_stream_provider._core.dead_letter import (
     disown_dead_letter_names,
 )
 from airflow_shared_stream_provider._core.dispositions import Disposition
-from airflow_shared_stream_provider._core.envelope import iso_timestamp
 from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
@@ -77,6 +76,7 @@ from airflow_shared_stream_provider.producers.pubsub_client import (
     DEFAULT_SUBSCRIPTION_DEADLINE,
     TRANSIENT,
     PublisherAsyncClient,
+    Pulled,
     SubscriberAsyncClient,
     ack_failures,
     gexc,
@@ -121,7 +121,6 @@ class PubSubDelivery(Delivery):
 class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, PubSubDelivery]):
     """One subscriber client, one pull loop, for every watcher of a subscription (see module doc)."""
 
-    broker = "pubsub"
     max_message_bytes = 10 * 1000 * 1000
 
     def __init__(self, settings: PubSubStreamSettings, *, stream_key: Hashable) -> None:
@@ -156,7 +155,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         # Keys with nothing in flight whose barrier covers a pull not received yet.
         self._barriers_waiting: set[str] = set()
         self._pulls_received = 0
-        self._next_pull: asyncio.Task[tuple[int, float, Sequence[Any]]] | None = None
+        self._next_pull: asyncio.Task[tuple[int, float, list[Pulled]]] | None = None
         # message id -> deliveries seen by this producer, for the poison cap when the subscription
         # has no dead-letter policy (Pub/Sub only counts attempts when it has one).
         self._attempts: MessageCounts[str] = MessageCounts(ATTEMPTS_MEMORY)
@@ -265,16 +264,18 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
                     self._next_pull = self._start_pull(more)
                 # The server started each lease when it answered; the request start is a lower bound.
                 lease_end = started + self.subscription_ack_deadline
-                for item in received:
-                    msg = item.message
-                    message_id = msg.message_id
+                # Popped, so that a yielded message's bytes are referenced only by its delivery
+                # (the pull's task keeps this list, the generator frame keeps the loop variable).
+                received.reverse()
+                while received:
+                    item = received.pop()
+                    message_id = item.message_id
                     ack_id = item.ack_id
-                    ordering_key = msg.ordering_key
+                    ordering_key = item.ordering_key
                     attempt = self._attempt_of(message_id, item.delivery_attempt)
-                    attributes = dict(msg.attributes)
-                    stamp = msg.publish_time
-                    published_at = iso_timestamp(stamp.seconds + stamp.nanos / 1e9) if stamp.seconds else None
-                    data = msg.data
+                    attributes = item.attributes
+                    published_at = item.published_at
+                    data = item.data
                     envelope, forced = self.envelope(
                         source=source,
                         message_id=message_id,
@@ -328,10 +329,10 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         _, _, received = task.result()
         self._buffer.nacks.extend(item.ack_id for item in received)
 
-    def _pull_received(self, pull_index: int, received: Sequence[Any]) -> None:
+    def _pull_received(self, pull_index: int, received: Sequence[Pulled]) -> None:
         """Count a pull's keyed messages as in flight (all of them, before any is yielded)."""
         for item in received:
-            key = item.message.ordering_key
+            key = item.ordering_key
             if key:
                 self._key_in_flight[key] += 1
         self._pulls_received = pull_index  # pulls are received one at a time, in order
@@ -357,15 +358,15 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
             else:
                 self._barriers_waiting.add(key)
 
-    def _start_pull(self, credit: int) -> asyncio.Task[tuple[int, float, Sequence[Any]]]:
+    def _start_pull(self, credit: int) -> asyncio.Task[tuple[int, float, list[Pulled]]]:
         self._pulls_started += 1
         return asyncio.create_task(
             self._pull(self._pulls_started, min(credit, self.settings.max_messages)),
             name=f"pubsub-pull[{self.subscription_path}]",
         )
 
-    async def _pull(self, pull_index: int, max_messages: int) -> tuple[int, float, Sequence[Any]]:
-        """One ``Pull``: ``(pull index, monotonic start, raw ReceivedMessage protobufs)``; empty on timeout."""
+    async def _pull(self, pull_index: int, max_messages: int) -> tuple[int, float, list[Pulled]]:
+        """One ``Pull``: ``(pull index, monotonic start, the messages)``; empty on timeout."""
         client = self._subscriber
         if client is None:
             raise BrokerHandleClosedError(f"Pub/Sub producer for {self.source_label()} is closed")

@@ -156,7 +156,6 @@ BUSY_WAIT: Final = 0.05
 class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSettings, ServiceBusDelivery]):
     """The broker side of :class:`~airflow_shared_stream_provider.triggers.servicebus.ServiceBusSharedStreamTrigger`."""
 
-    broker = "servicebus"
     max_message_bytes = 100 * 1024 * 1024  # Premium; Standard takes 256 KiB
 
     def __init__(self, settings: ServiceBusStreamSettings, *, stream_key: Hashable) -> None:

@@ -127,7 +127,6 @@ class SqsDelivery(Delivery):
 class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDelivery]):
     """One receive loop per queue for every watcher of the stream; see the module docstring."""
 
-    broker = "sqs"
     max_message_bytes = 1024 * 1024  # since 2025; 256 KiB before
     # A clean stop makes the messages still in flight visible again at once; tests that simulate
     # a crash turn this off (a killed triggerer releases nothing).

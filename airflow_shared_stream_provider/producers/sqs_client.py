@@ -3,9 +3,11 @@ The AWS side of the SQS producer (:mod:`.sqs`): the aiobotocore client, its call
 mean, and the wire format of SQS messages. What each outcome does on the queue (dispositions,
 leases, FIFO order) stays in :mod:`.sqs`.
 
-* **Credentials**: the connection's access key (login / password, optional session token), else
-  the default AWS credential chain; with ``role_arn`` those credentials assume the role through STS
-  and the session gets refreshable assume-role credentials.
+* **Credentials**: the session of :mod:`.aws_session`, the same identity the amazon provider's hook
+  gets for the connection: built by that provider's own session factory when it is installed
+  (every ``assume_role_method``, ``profile_name``, ``session_kwargs``, ``service_config.sts``),
+  else from the connection's access key, profile or default chain, with ``role_arn`` assumed
+  through STS (``assume_role``, or web identity from a token file) as refreshable credentials.
 * **Client config**: the connection's ``config_kwargs`` (unsupported keys are an error naming
   them), with defaults sized for the producer: standard retries, a connection pool for every
   concurrent receive plus the lease keeper, deletes and releases, and a read timeout a long poll
@@ -34,7 +36,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from datetime import datetime
 from typing import Any, Final
 
 from airflow_shared_stream_provider._core import connections
@@ -47,12 +48,12 @@ from airflow_shared_stream_provider._core.errors import (
 )
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 from airflow_shared_stream_provider._core.retry import Backoff, Retry, retry_entries
+from airflow_shared_stream_provider.producers import aws_session
 from airflow_shared_stream_provider.triggers.sqs import SqsStreamSettings, region_from_queue_url
 
 try:
     from aiobotocore.config import AioConfig
-    from aiobotocore.credentials import AioDeferredRefreshableCredentials
-    from aiobotocore.session import AioSession, get_session
+    from aiobotocore.session import AioSession
     from botocore import exceptions as boto
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise missing_dependency("sqs", "aiobotocore", exc) from exc
@@ -151,15 +152,21 @@ class SqsApi:
         return f"{type(exc).__name__}: {exc}"
 
     # -- connecting ----------------------------------------------------------------------------
-    def _session(self, client_settings: connections.AwsConnection) -> AioSession:
-        session = get_session()
-        if client_settings.access_key_id or client_settings.secret_access_key:
-            if not (client_settings.access_key_id and client_settings.secret_access_key):
-                raise self.config_error("the connection has only one of login (access key id) and password (secret)")
-            session.set_credentials(
-                client_settings.access_key_id, client_settings.secret_access_key, client_settings.session_token
+    async def _session(self, client_settings: connections.AwsConnection) -> AioSession:
+        if bool(client_settings.access_key_id) != bool(client_settings.secret_access_key):
+            raise self.config_error("the connection has only one of login (access key id) and password (secret)")
+        try:
+            return await aws_session.create_session(
+                client_settings,
+                config=self._client_config(client_settings),
+                on_sts_call=lambda: self.counters.add("api_calls"),
             )
-        return session
+        except AWS_ERRORS as exc:
+            # The amazon provider's session factory assumes the role at once (STS).
+            cause = self.explain(exc, self.settings.queue_url)
+            if is_transient(exc):
+                raise self.unavailable_error(cause, exc) from exc
+            raise self.config_error(cause, exc) from exc
 
     def _client_config(self, client_settings: connections.AwsConnection) -> AioConfig:
         kwargs, unsupported = connections.aws_config_kwargs(client_settings)
@@ -172,40 +179,6 @@ class SqsApi:
         kwargs.setdefault("read_timeout", self.settings.wait_time_seconds + 40)
         return AioConfig(**kwargs)
 
-    async def _assume_role(self, session: AioSession, client_settings: connections.AwsConnection) -> None:
-        """Replace the session's credentials with refreshable STS assume-role credentials."""
-        role_arn = client_settings.role_arn
-        assert role_arn is not None
-        base_session = self._session(client_settings)
-        kwargs = dict(client_settings.assume_role_kwargs)
-        kwargs.setdefault("RoleSessionName", f"airflow-shared-stream-{client_settings.region_name or 'default'}")
-
-        async def refresh() -> dict[str, Any]:
-            async with base_session.create_client(
-                "sts",
-                region_name=client_settings.region_name,
-                endpoint_url=client_settings.endpoint_url,
-                verify=client_settings.verify,
-            ) as sts:
-                self.counters.add("api_calls")
-                response = await sts.assume_role(RoleArn=role_arn, **kwargs)
-            credentials = response["Credentials"]
-            expiry = credentials["Expiration"]
-            if isinstance(expiry, datetime):
-                expiry = expiry.isoformat()
-            return {
-                "access_key": credentials["AccessKeyId"],
-                "secret_key": credentials["SecretAccessKey"],
-                "token": credentials["SessionToken"],
-                "expiry_time": expiry,
-            }
-
-        # The upstream Amazon provider does the same: aiobotocore has no public setter for
-        # refreshable credentials on a session.
-        session._credentials = AioDeferredRefreshableCredentials(  # type: ignore[attr-defined]
-            refresh_using=refresh, method="sts-assume-role"
-        )
-
     async def connect(self) -> Any:
         """The SQS client, open until :meth:`aclose`."""
         settings = self.settings
@@ -216,9 +189,7 @@ class SqsApi:
             fallback_region=region_from_queue_url(settings.queue_url),
         )
         self.client_settings = client_settings
-        session = self._session(client_settings)
-        if client_settings.role_arn:
-            await self._assume_role(session, client_settings)
+        session = await self._session(client_settings)
         stack = contextlib.AsyncExitStack()
         try:
             client = await stack.enter_async_context(

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
 from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
+from airflow_shared_stream_provider.brokers import BrokerName
 
 PartialAssignmentPolicy = Literal["fail", "warn"]
 PositionStore = Literal["watchers", "group"]
@@ -44,7 +45,7 @@ POSITION_STORES: tuple[PositionStore, ...] = ("watchers", "group")
 class KafkaStreamSettings(StreamSettings):
     """Everything :class:`~airflow_shared_stream_provider.producers.kafka.KafkaSharedStreamProducer` reads."""
 
-    broker: ClassVar[Literal["kafka"]] = "kafka"
+    broker: ClassVar[BrokerName] = BrokerName("kafka")
 
     topics: tuple[str, ...]
     kafka_config_id: str = "kafka_default"

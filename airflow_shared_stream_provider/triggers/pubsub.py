@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, ClassVar, Final
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
 from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
+from airflow_shared_stream_provider.brokers import BrokerName
 
 DEFAULT_MAX_MESSAGES: Final = 100
 DEFAULT_PULL_TIMEOUT: Final = 5.0
@@ -99,7 +100,7 @@ class PubSubStreamSettings(StreamSettings):
     resolved in the triggerer against the connection's project (then ADC's).
     """
 
-    broker: ClassVar[Literal["pubsub"]] = "pubsub"
+    broker: ClassVar[BrokerName] = BrokerName("pubsub")
 
     subscription: str
     project_id: str | None = None

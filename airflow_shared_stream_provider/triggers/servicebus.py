@@ -56,7 +56,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
 from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
+from airflow_shared_stream_provider.brokers import BrokerName
 
 DEFAULT_CONN_ID = "azure_service_bus_default"
 DEFAULT_MAX_CONCURRENT_SESSIONS = 8
@@ -76,7 +77,7 @@ MAX_CONCURRENT_SESSIONS_LIMIT = 100
 class ServiceBusStreamSettings(StreamSettings):
     """Everything :class:`~airflow_shared_stream_provider.producers.servicebus.ServiceBusSharedStreamProducer` reads."""
 
-    broker: ClassVar[Literal["servicebus"]] = "servicebus"
+    broker: ClassVar[BrokerName] = BrokerName("servicebus")
 
     queue_name: str | None = None
     topic_name: str | None = None

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, ClassVar, Final
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
 from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
+from airflow_shared_stream_provider.brokers import BrokerName
 
 MAX_VISIBILITY_TIMEOUT: Final = 43_200  # SQS: 12 hours
 MAX_WAIT_TIME_SECONDS: Final = 20  # SQS long polling limit
@@ -99,7 +100,7 @@ def queue_name_of(queue_url: str) -> str:
 class SqsStreamSettings(StreamSettings):
     """Everything :class:`~airflow_shared_stream_provider.producers.sqs.SqsSharedStreamProducer` reads."""
 
-    broker: ClassVar[Literal["sqs"]] = "sqs"
+    broker: ClassVar[BrokerName] = BrokerName("sqs")
 
     queue_url: str
     aws_conn_id: str | None = "aws_default"

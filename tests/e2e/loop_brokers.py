@@ -4,9 +4,11 @@ One broker per test, for the e2e tests on the Dag ``dags/e2e_kill_loop_watchers.
 
 ``loop_broker(name)`` starts one (``kafka``: Tansu, ``sqs``: moto server, ``pubsub``: Google's
 emulator, ``servicebus``: the wire-level test broker of ``tests/servicebus_broker``, in this
-process) and gives its :class:`LoopBroker`: the Airflow connection (``CONN_ID``), the source
-(``KILL_LOOP_SOURCE``), extra environment for the Airflow components, a publisher and what it
-accepted. :class:`Deliveries` reads what the watchers got from the metadata DB.
+process) and gives its :class:`LoopBroker`: the Airflow connection (``CONN_ID``), the trigger's
+source and arguments (``KILL_LOOP_TRIGGER_KWARGS``), extra environment for the Airflow components,
+a publisher and what it accepted. The broker's class is its registry entry's ``harness.kill_loop``
+(:mod:`airflow_shared_stream_provider.brokers`), so a new broker's can live in its own module.
+:class:`Deliveries` reads what the watchers got from the metadata DB.
 
 Used by ``test_kill_loop.py`` and ``test_queue_triggerers_e2e.py``.
 """
@@ -26,6 +28,7 @@ from typing import Any
 import pytest
 from order_events import envelopes_of  # example_dags (on sys.path: tests/e2e/conftest.py)
 
+from airflow_shared_stream_provider.brokers import broker_spec, load
 from devkit.airflow_env import AirflowEnv
 from devkit.brokers import BrokerProcess, start_kafka, start_moto, start_pubsub_emulator, stop_moto
 from devkit.demo_streams import (
@@ -54,6 +57,13 @@ class LoopBroker(abc.ABC):
 
     @abc.abstractmethod
     def connection(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def trigger_kwargs(self) -> dict[str, Any]:
+        """
+        The trigger's source and broker-specific arguments in the kill-loop Dag, JSON-safe (the Dag
+        adds the connection, as the registry's ``conn_id_arg``, and each watcher's ``match``).
+        """
 
     def component_env(self) -> dict[str, str]:
         return {}
@@ -93,6 +103,9 @@ class KafkaLoop(LoopBroker):
 
     def connection(self) -> dict[str, Any]:
         return kafka_connection(self.orders.bootstrap)
+
+    def trigger_kwargs(self) -> dict[str, Any]:
+        return {"topics": [KAFKA_TOPIC], "dlq_topic": f"{KAFKA_TOPIC}.dlq"}
 
     def publish(self, messages: Sequence[OrderMessage], *, rate: float, stop: threading.Event) -> None:
         self.orders.publish(messages, rate=rate, stop=stop)
@@ -147,6 +160,9 @@ class SqsLoop(LoopBroker):
             "extra": {"endpoint_url": self.orders.endpoint, "region_name": SQS_REGION},
         }
 
+    def trigger_kwargs(self) -> dict[str, Any]:
+        return {"queue_url": self.source, "wait_time_seconds": 2}
+
     def publish(self, messages: Sequence[OrderMessage], *, rate: float, stop: threading.Event) -> None:
         for chunk in paced_chunks(messages, size=1, rate=rate, stop=stop):
             self.ids.extend(list(self.orders.publish(chunk)))
@@ -182,6 +198,9 @@ class PubSubLoop(LoopBroker):
 
     def connection(self) -> dict[str, Any]:
         return {"conn_type": "google_cloud_platform", "extra": {"project": PUBSUB_PROJECT}}
+
+    def trigger_kwargs(self) -> dict[str, Any]:
+        return {"subscription": self.source}
 
     def component_env(self) -> dict[str, str]:
         return {"PUBSUB_EMULATOR_HOST": self.process.address}
@@ -220,6 +239,9 @@ class ServiceBusLoop(LoopBroker):
     def connection(self) -> dict[str, Any]:
         return {"conn_type": "azure_service_bus", "schema": self.handle.connection_string}
 
+    def trigger_kwargs(self) -> dict[str, Any]:
+        return {"queue_name": SERVICEBUS_QUEUE, "max_wait_time": 1.0}
+
     def publish(self, messages: Sequence[OrderMessage], *, rate: float, stop: threading.Event) -> None:
         from azure.servicebus import ServiceBusClient, ServiceBusMessage
 
@@ -253,12 +275,14 @@ class ServiceBusLoop(LoopBroker):
         return text
 
 
-BROKERS: dict[str, type[LoopBroker]] = {
-    "kafka": KafkaLoop,
-    "sqs": SqsLoop,
-    "pubsub": PubSubLoop,
-    "servicebus": ServiceBusLoop,
-}
+def loop_broker_class(name: str) -> type[LoopBroker]:
+    """The :class:`LoopBroker` of registry broker ``name`` (its ``harness.kill_loop``)."""
+    path = broker_spec(name).harness.kill_loop
+    if path is None:
+        raise KeyError(f"broker {name!r} has no kill-loop harness (harness.kill_loop in its registry entry)")
+    loaded = load(path)
+    assert isinstance(loaded, type) and issubclass(loaded, LoopBroker), f"{path} is not a LoopBroker"
+    return loaded
 
 
 def dag_env(broker: LoopBroker, watchers: int) -> dict[str, str]:
@@ -267,14 +291,14 @@ def dag_env(broker: LoopBroker, watchers: int) -> dict[str, str]:
         "KILL_LOOP_BROKER": broker.name,
         "KILL_LOOP_WATCHERS": str(watchers),
         "KILL_LOOP_CONN_ID": CONN_ID,
-        "KILL_LOOP_SOURCE": broker.source,
+        "KILL_LOOP_TRIGGER_KWARGS": json.dumps(broker.trigger_kwargs()),
         **broker.component_env(),
     }
 
 
 @contextlib.contextmanager
 def loop_broker(name: str) -> Iterator[LoopBroker]:
-    broker = BROKERS[name]()
+    broker = loop_broker_class(name)()
     try:
         yield broker
     finally:

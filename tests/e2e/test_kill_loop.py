@@ -45,6 +45,7 @@ from pathlib import Path
 
 import pytest
 
+from airflow_shared_stream_provider.brokers import harness_names
 from devkit.airflow_env import AirflowEnv
 from devkit.demo import build_dags_folder, make_order
 from devkit.demo_types import OrderMessage
@@ -272,13 +273,9 @@ def _slow_opt_in(request: pytest.FixtureRequest) -> None:
 @pytest.mark.usefixtures("_slow_opt_in")
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(
+    # Every registry broker with a kill-loop harness, marked with its name (as its integration suite).
     "broker",
-    [
-        pytest.param("kafka", marks=pytest.mark.kafka),
-        pytest.param("sqs", marks=pytest.mark.sqs),
-        pytest.param("pubsub", marks=pytest.mark.pubsub),
-        pytest.param("servicebus", marks=pytest.mark.servicebus),
-    ],
+    [pytest.param(name, marks=getattr(pytest.mark, name)) for name in harness_names("kill_loop")],
 )
 def test_kill_loop_20_kills(broker: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """20 kills of the triggerer per broker during a steady stream, 5 watchers."""

@@ -87,3 +87,32 @@ def test_batches_are_idempotent_and_never_double_count(spark: Any, tmp_path: Pat
     assert totals(spark, tmp_path) == expected
     stored = spark.read.parquet(str(tmp_path / "order_lines")).select("message_id").collect()
     assert sorted(r["message_id"] for r in stored) == ["t/0/1", "t/0/2", "t/1/1", "t/2/1"]
+
+
+def test_the_dedup_reads_only_the_hours_of_its_own_orders(spark: Any, tmp_path: Path) -> None:
+    """
+    Redeliveries are found in every hour a batch spans, and only there: a key stored under an
+    hour the batch does not touch is not read (the run's cost follows its hours, not the history).
+    """
+    from orders_spark import order_rows, write_order_batch
+
+    def at(message_id: str, hour: int) -> dict[str, Any]:
+        event = envelope(message_id, "eu", 1.0)
+        event["body"]["created_at"] = f"2026-01-01T{hour:02d}:10:00Z"
+        return event
+
+    write_order_batch(spark, order_rows([at("a", 9), at("b", 10), at("c", 11)]), str(tmp_path), "run_1")
+    keys = tmp_path / "order_keys"
+    assert sorted(p.name for p in keys.iterdir() if p.is_dir()) == [
+        "key_hour=2026-01-01T09",
+        "key_hour=2026-01-01T10",
+        "key_hour=2026-01-01T11",
+    ]
+    # Hours 9 and 10: both redeliveries are dropped; the new order of hour 10 counts.
+    result = write_order_batch(spark, order_rows([at("a", 9), at("b", 10), at("d", 10)]), str(tmp_path), "run_2")
+    assert (result["new"], result["duplicates"]) == (1, 2)
+    # Hour 11's keys are not read by a batch of hour 12: corrupt them, and the run does not notice.
+    for part in (keys / "key_hour=2026-01-01T11").rglob("*.parquet"):
+        part.write_bytes(b"not parquet: reading this hour would fail the run")
+    result = write_order_batch(spark, order_rows([at("e", 12)]), str(tmp_path), "run_3")
+    assert (result["new"], result["duplicates"]) == (1, 0)

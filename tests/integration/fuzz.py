@@ -52,6 +52,7 @@ from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 
 from airflow_shared_stream_provider._core.batching import BATCH_OVERHEAD
+from airflow_shared_stream_provider.brokers import BROKER_NAMES
 from devkit.runner import RunnerSim
 
 MAX_PAYLOAD_BYTES: Final = 2048
@@ -604,7 +605,7 @@ class FuzzStream:
         assert not remaining_dead, f"{name}: dead letters for nothing published: {remaining_dead[:3]}"
 
     def check_envelope(self, envelope: Mapping[str, Any]) -> None:
-        assert envelope["broker"] in ("kafka", "sqs", "pubsub", "servicebus")
+        assert envelope["broker"] in BROKER_NAMES
         assert isinstance(envelope["message_id"], str) and isinstance(envelope["source"], str)
         assert envelope["body_encoding"] in ("json", "text", "base64")
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in envelope["attributes"].items())

@@ -20,6 +20,7 @@ from airflow_shared_stream_provider._core.envelope import (
     text_attributes,
 )
 from airflow_shared_stream_provider._core.filtering import MessageFilter
+from airflow_shared_stream_provider.brokers import BrokerName
 
 
 @pytest.mark.parametrize(
@@ -85,7 +86,7 @@ def test_headers_become_text_with_base64_for_binary_values() -> None:
 
 def _envelope(body: bytes, limit: int, policy: Any) -> tuple[dict[str, Any], str | None]:
     return build_envelope(
-        broker="kafka",
+        broker=BrokerName("kafka"),
         source="t",
         message_id="t/0/1",
         body=body,

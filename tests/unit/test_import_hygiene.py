@@ -12,14 +12,15 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-SDK_PREFIXES = ("aiokafka", "aiobotocore", "botocore", "google.cloud.pubsub", "google.pubsub", "azure.servicebus")
+from airflow_shared_stream_provider.brokers import BROKERS, sdk_module_prefixes
+
+# Every broker's SDK and trigger module, from the registry: a new broker is checked without an edit here.
+SDK_PREFIXES = sdk_module_prefixes()
 TRIGGER_MODULES = [
     "airflow_shared_stream_provider",
+    "airflow_shared_stream_provider.brokers",
     "airflow_shared_stream_provider.queues",
-    "airflow_shared_stream_provider.triggers.kafka",
-    "airflow_shared_stream_provider.triggers.sqs",
-    "airflow_shared_stream_provider.triggers.pubsub",
-    "airflow_shared_stream_provider.triggers.servicebus",
+    *(spec.trigger_module for spec in BROKERS),
 ]
 
 

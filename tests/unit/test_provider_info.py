@@ -17,10 +17,12 @@ import jsonschema
 import pytest
 import yaml
 
+from airflow_shared_stream_provider.brokers import BROKERS
 from airflow_shared_stream_provider.get_provider_info import get_provider_info
 
 ROOT = Path(__file__).resolve().parents[2]
-UPSTREAM_CONNECTION_TYPES = {"kafka", "aws", "google_cloud_platform", "azure_service_bus"}
+# The upstream providers' connection types our producers read (the registry's connection_type).
+UPSTREAM_CONNECTION_TYPES = {spec.connection_type for spec in BROKERS}
 UPSTREAM_SCHEMES = {"kafka", "sqs", "google+pubsub", "azure+servicebus", "redis+pubsub"}
 
 
@@ -53,7 +55,7 @@ def test_every_declared_module_and_class_imports() -> None:
         provider = getattr(importlib.import_module(module_name), name)()
         assert provider.trigger_class().__name__.endswith("SharedStreamTrigger")
         schemes.add(provider.scheme)
-    assert schemes == {"shared+kafka", "shared+sqs", "shared+pubsub", "shared+servicebus"}
+    assert schemes == {spec.queue_scheme for spec in BROKERS}  # each shared+<name> (test_broker_registry.py)
     assert not schemes & UPSTREAM_SCHEMES
 
 

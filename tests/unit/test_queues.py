@@ -12,6 +12,7 @@ from airflow.exceptions import AirflowProviderDeprecationWarning
 from airflow.providers.common.messaging.triggers.msg_queue import MESSAGE_QUEUE_PROVIDERS, MessageQueueTrigger
 
 from airflow_shared_stream_provider import SharedStreamConfigError
+from airflow_shared_stream_provider.brokers import BROKERS, load
 from airflow_shared_stream_provider.queues import (
     KafkaSharedStreamQueueProvider,
     PubSubSharedStreamQueueProvider,
@@ -104,12 +105,7 @@ def test_exactly_one_registered_provider_matches_each_uri(queue: str) -> None:
     ],
 )
 def test_other_uris_match_none_of_ours(queue: str) -> None:
-    providers = [
-        KafkaSharedStreamQueueProvider(),
-        SqsSharedStreamQueueProvider(),
-        PubSubSharedStreamQueueProvider(),
-        ServiceBusSharedStreamQueueProvider(),
-    ]
+    providers = [load(spec.queue_provider)() for spec in BROKERS]  # every registry broker's
     assert not [type(p).__name__ for p in providers if p.queue_matches(queue)]
 
 

@@ -263,6 +263,8 @@ async def test_role_arn_in_the_connection_assumes_the_role(
         "extra": {
             "region_name": "us-east-1",
             "endpoint_url": sqs_endpoint,
+            # Where the amazon provider sends AssumeRole (never endpoint_url); moto serves STS too.
+            "service_config": {"sts": {"endpoint_url": sqs_endpoint}},
             "role_arn": "arn:aws:iam::123456789012:role/shared-stream-test",
             "assume_role_kwargs": {"RoleSessionName": "it", "DurationSeconds": 900},
         },

@@ -1,0 +1,81 @@
+"""
+Redis Streams: four AssetWatchers share ONE consumer-group reader of the ``orders`` stream.
+
+Same shape as ``example_kafka_orders.py``: the watchers pass identical producer settings (stream,
+connection, group, dead-letter stream, ...), so the triggerer runs one ``XREADGROUP`` loop and
+broadcasts each entry to the four filters. An entry is acknowledged (``XACK``) only after every
+watcher's asset event for it is stored (or it was copied to the dead-letter stream); until then
+its idle time is kept below ``claim_idle``, so no other consumer of the group claims it.
+
+Connection: the Redis provider's shape, e.g. ``AIRFLOW_CONN_REDIS_DEFAULT='{"conn_type": "redis",
+"host": "localhost", "port": 6379, "extra": {"db": 0}}'``.
+
+Environment knobs (read when the Dag file is parsed): ``ORDERS_REDIS_STREAM`` (default
+``orders``), ``ORDERS_REDIS_DEAD_LETTER_STREAM`` (default ``orders:dead-letter``),
+``ORDERS_REDIS_CONN_ID`` (default ``redis_default``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from airflow.sdk import Asset, AssetWatcher, dag, task
+from order_events import pipeline_flush_after, record_receipts, stream_options, unique_envelopes
+from orders_spark import build_orders_spark_pipeline
+
+from airflow_shared_stream_provider.triggers.redis import RedisSharedStreamTrigger
+
+STREAM = os.environ.get("ORDERS_REDIS_STREAM", "orders")
+DEAD_LETTER_STREAM = os.environ.get("ORDERS_REDIS_DEAD_LETTER_STREAM", f"{STREAM}:dead-letter")
+REDIS_CONN_ID = os.environ.get("ORDERS_REDIS_CONN_ID", "redis_default")
+
+
+def orders_watcher(name: str, **watcher_filter: Any) -> AssetWatcher:
+    """A watcher on the shared Redis stream: same producer settings, its own filter."""
+    trigger = RedisSharedStreamTrigger(
+        stream=STREAM,
+        redis_conn_id=REDIS_CONN_ID,
+        dead_letter_stream=DEAD_LETTER_STREAM,
+        **stream_options(),
+        **watcher_filter,
+    )
+    return AssetWatcher(name=name, trigger=trigger)
+
+
+orders_eu = Asset("redis_orders_eu", watchers=[orders_watcher("redis_orders_eu", match={"body.region": "eu"})])
+orders_us_apac = Asset(
+    "redis_orders_us_apac", watchers=[orders_watcher("redis_orders_us_apac", match={"body.region": ["us", "apac"]})]
+)
+orders_big = Asset(
+    "redis_orders_big", watchers=[orders_watcher("redis_orders_big", filter_function="order_filters.is_big_order")]
+)
+orders_valid = Asset(
+    "redis_orders_valid",
+    watchers=[
+        orders_watcher(
+            "redis_orders_valid",
+            filter_function="order_filters.require_valid_order",
+            flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
+        )
+    ],
+)
+
+
+def consumer_dag(dag_id: str, asset: Asset, sink: str) -> None:
+    @dag(dag_id=dag_id, schedule=[asset], max_active_runs=1, catchup=False, tags=["shared-stream", "redis"])
+    def consumer() -> None:
+        @task
+        def handle_orders(triggering_asset_events: Any = None) -> dict[str, int]:
+            envelopes = unique_envelopes(triggering_asset_events)  # dedup on message_id
+            return {"events": len(envelopes), **record_receipts(envelopes, sink)}
+
+        handle_orders()
+
+    consumer()
+
+
+consumer_dag("redis_orders_eu_consumer", orders_eu, "redis_eu")
+consumer_dag("redis_orders_us_apac_consumer", orders_us_apac, "redis_us_apac")
+consumer_dag("redis_orders_big_consumer", orders_big, "redis_big")
+build_orders_spark_pipeline(dag_id="redis_orders_spark_pipeline", source=orders_valid, dataset="redis")

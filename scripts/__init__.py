@@ -1,0 +1,1 @@
+"""Developer scripts (``python -m scripts.<name>``); not part of the wheel."""

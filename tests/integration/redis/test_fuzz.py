@@ -1,0 +1,163 @@
+"""
+Fuzzed input through a real redis-server (or REDIS_URL): see tests/integration/fuzz.py.
+
+Streams: one envelope per event, and batch mode. Input: every body category of the shared
+strategies in the ``body`` field, plus up to 8 more fields with binary names and values (NUL,
+CR/LF, invalid UTF-8, names repeated, an empty name). Every field of an entry is the sender's: the
+dead-letter copy must keep them all, in order, and a sender's ``x-dead-letter-*`` field is renamed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Final
+
+import pytest
+import redis.asyncio as aioredis
+from airflow.triggers.shared_stream import SharedStreamManager
+from hypothesis import given
+from hypothesis import strategies as st
+
+from airflow_shared_stream_provider._core.envelope import text_value
+from devkit.runner import RunnerSim
+from tests.integration.fuzz import (
+    FUZZ_SETTINGS,
+    RAISE_ATTRIBUTE,
+    DeadRecord,
+    FuzzMessage,
+    FuzzSession,
+    batches,
+    bodies,
+    raise_texts,
+)
+from tests.integration.redis.conftest import RedisAdapter, fresh_names
+
+pytestmark = [pytest.mark.integration, pytest.mark.redis]
+
+BODY: Final = b"body"
+DEAD_LETTER_PREFIX: Final = b"x-dead-letter-"
+ORIGINAL_PREFIX: Final = b"x-original-"
+
+
+def wire_fields(message: FuzzMessage) -> list[bytes]:
+    """The entry's fields as published: ``body`` first (unless None), the extra fields, the raise marker."""
+    fields: list[bytes] = [] if message.body is None else [BODY, message.body]
+    for name, value in message.extras.get("fields", ()):
+        fields += (name, value)
+    if message.raise_text is not None:
+        fields += (RAISE_ATTRIBUTE.encode(), message.raise_text.encode("utf-8", "surrogatepass"))
+    return fields
+
+
+def expected_attributes(fields: Sequence[bytes]) -> dict[str, str]:
+    """Every field but the first ``body``, as text, the first of a repeated name winning (docs/redis.md)."""
+    attributes: dict[str, str] = {}
+    body_seen = False
+    for index in range(0, len(fields) - 1, 2):
+        name, value = fields[index], fields[index + 1]
+        if name == BODY and not body_seen:
+            body_seen = True
+            continue
+        attributes.setdefault(text_value(name), text_value(value))
+    return attributes
+
+
+class RedisFuzzTarget:
+    """A stream and its dead-letter stream, for the fuzzing property (and the hostile corpus)."""
+
+    def __init__(self, adapter: RedisAdapter, name: str, *, batch_size: int = 1) -> None:
+        self.adapter = adapter
+        self.name = name
+        self.batch_size = batch_size
+
+    def make_trigger(self, **kwargs: Any) -> Any:
+        return self.adapter.make_trigger(**kwargs)
+
+    async def publish(self, messages: Sequence[FuzzMessage]) -> None:
+        for message in messages:
+            entry_id = message.extras.get("entry_id", "*")
+            await self.adapter.publish_fields(wire_fields(message), entry_id=entry_id)
+
+    async def unsettled(self) -> int:
+        return await self.adapter.unsettled()
+
+    async def dead_letters(self) -> list[DeadRecord]:
+        records = []
+        for entry_id, fields in await self.adapter.dead_letter_entries():
+            pairs = list(zip(fields[::2], fields[1::2], strict=True))
+            body = next((value for name, value in pairs if name == BODY), None)
+            reason = next((value.decode() for name, value in pairs if name == DEAD_LETTER_PREFIX + b"reason"), None)
+            records.append(DeadRecord(entry_id, body, reason, {"fields": fields}))
+        return records
+
+    def expected_attributes(self, message: FuzzMessage) -> dict[str, str]:
+        return expected_attributes(wire_fields(message))
+
+    def reason_may_be_missing(self, message: FuzzMessage) -> bool:
+        return False  # Redis has no field limit: the reason is always there
+
+    def check_dead_record(self, message: FuzzMessage, record: DeadRecord) -> None:
+        """Every original field is kept, in order (a sender's ``x-dead-letter-*`` renamed), then the provider's."""
+        kept = list(record.attributes["fields"])
+        original = wire_fields(message)
+        assert len(kept) >= len(original) + 8, "the dead-letter copy lost fields"
+        for index in range(0, len(original), 2):
+            name = original[index]
+            if name.lower().startswith(DEAD_LETTER_PREFIX):
+                assert kept[index].startswith(ORIGINAL_PREFIX), f"a sender's {name!r} kept its name"
+            else:
+                assert kept[index] == name, f"field {index // 2} renamed: {kept[index]!r} != {name!r}"
+            assert kept[index + 1] == original[index + 1], f"field {name!r} changed"
+        added = kept[len(original) :]
+        assert added[0::2] == [
+            b"x-dead-letter-reason",
+            b"x-dead-letter-source",
+            b"x-dead-letter-message-id",
+            b"x-dead-letter-group",
+        ]
+        assert added[3] == self.adapter.stream.encode()
+
+
+FIELD_NAMES: Final = st.binary(min_size=0, max_size=12) | st.sampled_from(
+    [b"a\x00b", b"crlf\r\n", b"\xff\xfe", b"body", b"x-dead-letter-reason", b"X-Dead-Letter-Source", b"type", b""]
+)
+FIELD_VALUES: Final = st.binary(max_size=48) | st.sampled_from([b"\x00", b"a\r\nb", b"\xc3", b"x" * 1024])
+
+
+@st.composite
+def redis_messages(draw: st.DrawFn) -> FuzzMessage:
+    body, huge = draw(bodies())
+    raise_text = draw(raise_texts(max_size=24))
+    names = draw(st.lists(FIELD_NAMES, max_size=8))
+    # The raising filter reads its own marker field: a generated field of that name would change it.
+    fields = [(name, draw(FIELD_VALUES)) for name in names if name.lower() != RAISE_ATTRIBUTE.encode()]
+    return FuzzMessage(body, raise_text, huge, {"fields": fields})
+
+
+@pytest.fixture
+async def fuzz_targets(redis_client: aioredis.Redis, redis_connection: str) -> AsyncIterator[list[RedisFuzzTarget]]:
+    """A stream read one envelope per event, and one in batch mode (also test_hostile.py's)."""
+    targets = []
+    for name, batch_size in (("plain", 1), ("batch", 4)):
+        stream, dlq = fresh_names()
+        targets.append(
+            RedisFuzzTarget(RedisAdapter(redis_client, redis_connection, stream, dlq), name, batch_size=batch_size)
+        )
+    try:
+        yield targets
+    finally:
+        for target in targets:
+            await target.adapter.cleanup()
+
+
+@pytest.fixture
+async def session(fuzz_targets: list[RedisFuzzTarget]) -> AsyncIterator[FuzzSession]:
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
+        yield FuzzSession.start(runner, fuzz_targets)
+
+
+@pytest.mark.timeout(300)
+@FUZZ_SETTINGS
+@given(batch=batches(redis_messages()))
+async def test_fuzzed_input_is_delivered_or_dead_lettered(session: FuzzSession, batch: list[FuzzMessage]) -> None:
+    await session.run(batch)

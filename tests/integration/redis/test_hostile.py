@@ -1,0 +1,115 @@
+"""
+The hostile corpus through a real redis-server (or REDIS_URL): see tests/integration/hostile.py.
+Streams: those of test_fuzz.py (one envelope per event, and batch mode).
+
+Every field of a Redis entry is the sender's, and Redis limits almost nothing: Redis-only cases
+are a 16 MiB value (Redis takes up to 512 MB), 2,000 small fields (delivered) and 20,000 (over the
+payload cap: dead-lettered with all of them), binary field names and values (NUL, CR/LF, invalid
+UTF-8, an empty name), a field name given twice, an entry without the body field, forged
+``x-dead-letter-*`` fields, and an entry id whose millisecond part is no date (last: every later
+id of the stream is above it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Final
+
+import pytest
+from airflow.triggers.shared_stream import SharedStreamManager
+
+from devkit.runner import RunnerSim
+from tests.integration.fuzz import DeadRecord, FuzzMessage, FuzzSession
+from tests.integration.hostile import (
+    DEAD_LETTER_PREFIX,
+    HOSTILE_PAYLOAD_BYTES,
+    HostileCase,
+    forged_attributes,
+    neutral_cases,
+    run_corpus,
+)
+from tests.integration.redis.test_fuzz import RedisFuzzTarget, fuzz_targets
+
+pytestmark = [pytest.mark.integration, pytest.mark.redis]
+
+__all__ = ["fuzz_targets"]  # the fixture, shared with test_fuzz.py
+
+LARGE_VALUE: Final = 16 * 1024 * 1024
+# Just past 9999-12-31T23:59:59.999: a valid id (Redis takes any 64-bit millisecond part), no date.
+NO_DATE_ID: Final = "253402300800000-0"
+
+
+def make(
+    body: bytes | None, *, fields: list[tuple[bytes, bytes]] | None = None, entry_id: str = "*", **options: Any
+) -> FuzzMessage:
+    extras: dict[str, Any] = {"fields": list(fields or [])}
+    if entry_id != "*":
+        extras["entry_id"] = entry_id
+    return FuzzMessage(body, extras=extras, **options)
+
+
+def redis_cases() -> list[HostileCase]:
+    return [
+        *neutral_cases(make),
+        HostileCase("a 16 MiB value", (make(b"x" * LARGE_VALUE),)),
+        HostileCase(
+            "2,000 small fields",
+            (make(b'{"kind":"many"}', fields=[(b"f%d" % i, b"v") for i in range(2000)]),),
+        ),
+        HostileCase(
+            "20,000 fields (over the cap)",
+            (make(b'{"kind":"too-many"}', fields=[(b"f%d" % i, b"v" * 4) for i in range(20_000)]),),
+        ),
+        HostileCase(
+            "binary field names and values",
+            (
+                make(
+                    b'{"kind":"binary"}',
+                    fields=[
+                        (b"a\x00b", b"\x00\r\n\x00"),
+                        (b"crlf\r\nname", b"a\r\nb"),
+                        (b"\xff\xfe", b"\xff\xfe\xc3"),
+                        (b"", b"empty name"),
+                        (b"\x1b[31mred", b"\x1b[0m"),
+                    ],
+                ),
+            ),
+        ),
+        HostileCase(
+            "a field name given twice, body too",
+            (make(b'{"kind":"twice"}', fields=[(b"a", b"1"), (b"a", b"2"), (b"body", b"second body")]),),
+        ),
+        HostileCase("no body field", (make(None, fields=[(b"event", b"created"), (b"id", b"7")]),)),
+        HostileCase(
+            "forged x-dead-letter-* fields",
+            (
+                make(
+                    b'{"kind":"forged"}',
+                    fields=[(k.encode(), v.encode()) for k, v in forged_attributes().items()],
+                    raise_text="f",
+                ),
+            ),
+            forged=True,
+        ),
+        HostileCase("an entry id that is no date", (make(b'{"kind":"late"}', entry_id=NO_DATE_ID),)),
+    ]
+
+
+def reasons_of(record: DeadRecord) -> list[str]:
+    fields = record.attributes["fields"]
+    return [
+        value.decode()
+        for name, value in zip(fields[::2], fields[1::2], strict=True)
+        if name.lower() == (DEAD_LETTER_PREFIX + "reason").encode()
+    ]
+
+
+@pytest.fixture
+async def hostile_session(fuzz_targets: list[RedisFuzzTarget]) -> AsyncIterator[FuzzSession]:
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
+        yield FuzzSession.start(runner, fuzz_targets, max_payload_bytes=HOSTILE_PAYLOAD_BYTES)
+
+
+@pytest.mark.timeout(240)
+async def test_hostile_corpus_is_delivered_or_dead_lettered(hostile_session: FuzzSession) -> None:
+    await run_corpus(hostile_session, redis_cases(), make, reasons_of, broker="redis")

@@ -1,0 +1,243 @@
+"""
+The broker registry (``airflow_shared_stream_provider/brokers.py``) against the code it points at.
+
+Every check is parametrized over :data:`BROKERS`, so a new entry is checked without an edit here:
+its settings name it, its trigger sits at ``triggers.<name>`` and imports no SDK, its producer
+does import the SDK the entry names (so the SDK prefixes are not vacuous) and a missing SDK names
+the entry's extra, its scheme is registered, its extra and pytest marker exist, its harness paths
+resolve. The reverse is checked too: a trigger module without an entry fails.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import importlib.metadata
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+
+from airflow_shared_stream_provider._core.producer import SharedStreamProducerBase
+from airflow_shared_stream_provider._core.settings import StreamSettings
+from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger, _stream_name
+from airflow_shared_stream_provider.brokers import (
+    BROKER_NAMES,
+    BROKERS,
+    BrokerSpec,
+    Harness,
+    HarnessTable,
+    broker_spec,
+    find_broker,
+    load,
+    sdk_module_prefixes,
+)
+from airflow_shared_stream_provider.get_provider_info import get_provider_info
+from airflow_shared_stream_provider.queues import SharedStreamQueueProvider
+from scripts import provider_info
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "airflow_shared_stream_provider"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+DIST = "airflow-shared-stream-provider"
+
+by_name = pytest.mark.parametrize("spec", BROKERS, ids=[spec.name for spec in BROKERS])
+
+
+def _python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter (sys.modules untouched by this test run); its stdout."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+# -- one entry ---------------------------------------------------------------------------------------
+@by_name
+def test_the_settings_declare_the_entrys_name(spec: BrokerSpec) -> None:
+    settings = load(spec.settings)
+    assert issubclass(settings, StreamSettings)
+    assert settings.broker == spec.name
+    fields = {f.name: f for f in dataclasses.fields(settings)}
+    assert set(spec.source_fields) <= set(fields), f"source_fields {spec.source_fields} are not settings fields"
+    assert spec.conn_id_arg in fields, f"{spec.conn_id_arg} is not a field of {settings.__name__}"
+    assert fields[spec.conn_id_arg].default == spec.default_conn_id
+
+
+@by_name
+def test_the_trigger_is_at_its_public_path_and_names_the_producer(spec: BrokerSpec) -> None:
+    assert spec.trigger_module == f"{PACKAGE}.triggers.{spec.name}"  # users' Dags import this path
+    trigger = load(spec.trigger)
+    assert issubclass(trigger, SharedStreamTrigger)
+    assert f"{trigger.__module__}.{trigger.__qualname__}" == spec.trigger_path  # what serialize() writes
+    assert trigger.settings_class is load(spec.settings)
+    assert trigger.producer_class_path == spec.producer_path
+
+
+@by_name
+def test_the_producer_takes_its_broker_from_the_settings(spec: BrokerSpec) -> None:
+    assert spec.producer.startswith(f"{PACKAGE}.producers.{spec.name}:")
+    producer = load(spec.producer)
+    assert issubclass(producer, SharedStreamProducerBase)
+    declared = [cls.__name__ for cls in producer.__mro__ if "broker" in vars(cls)]
+    assert not declared, f"broker is declared on {declared}: the settings' ClassVar is the one declaration"
+
+
+@by_name
+def test_the_trigger_module_imports_no_sdk_and_the_producer_does(spec: BrokerSpec) -> None:
+    """Both halves: an SDK prefix the producer never loads would make the hygiene test vacuous."""
+    producer_module = spec.producer.partition(":")[0]
+    out = _python(
+        "import sys, importlib\n"
+        f"importlib.import_module({spec.trigger_module!r})\n"
+        f"print('TRIGGER=' + ','.join(sorted(m for m in sys.modules if m.startswith({sdk_module_prefixes()!r}))))\n"
+        f"importlib.import_module({producer_module!r})\n"
+        f"print('PRODUCER=' + ','.join(sorted(m for m in sys.modules if m.startswith({spec.sdk_modules!r}))))\n"
+    )
+    lines = dict(line.split("=", 1) for line in out.splitlines() if line.startswith(("TRIGGER=", "PRODUCER=")))
+    assert lines["TRIGGER"] == "", f"{spec.trigger_module} loads broker SDK modules: {lines['TRIGGER']}"
+    assert lines["PRODUCER"], f"{producer_module} loads nothing under {spec.sdk_modules}: wrong sdk_modules?"
+
+
+@by_name
+def test_a_missing_sdk_names_the_entrys_extra(spec: BrokerSpec) -> None:
+    """Every module under the entry's SDK prefixes made unimportable: the producer names the extra."""
+    producer_module = spec.producer.partition(":")[0]
+    out = _python(
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.startswith({spec.sdk_modules!r}):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "try:\n"
+        f"    import {producer_module}\n"
+        "except ImportError as exc:\n"
+        "    print('ERROR=' + str(exc))\n"
+    )
+    assert f"pip install 'airflow-shared-stream-provider[{spec.extra}]'" in out, out
+
+
+@by_name
+def test_the_queue_scheme_is_registered_and_builds_the_trigger(spec: BrokerSpec) -> None:
+    assert spec.queue_scheme == f"shared+{spec.name}"
+    provider = load(spec.queue_provider)
+    assert issubclass(provider, SharedStreamQueueProvider)
+    assert provider.broker == spec.name and provider.scheme == spec.queue_scheme
+    assert provider().trigger_class() is load(spec.trigger)
+    assert all(prefix.startswith(spec.queue_scheme) for prefix in provider.queue_prefixes)
+    info = get_provider_info()
+    assert spec.queue_provider_path in info["queues"]
+    assert any(spec.trigger_module in t["python-modules"] for t in info["triggers"])
+    assert spec.integration_name in {i["integration-name"] for i in info["integrations"]}
+
+
+@by_name
+def test_the_extra_installs_the_sdk_and_nothing_else(spec: BrokerSpec) -> None:
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert spec.extra in extras, f"pyproject.toml has no extra {spec.extra!r}"
+    in_all = {extra for r in map(Requirement, extras["all"]) if r.name == DIST for extra in r.extras}
+    assert spec.extra in in_all, f"the all extra does not include {spec.extra}"
+    # Each requirement is an installed distribution providing the SDK's top-level package.
+    tops = {prefix.partition(".")[0] for prefix in spec.sdk_modules}
+    provided = importlib.metadata.packages_distributions()
+    for requirement in extras[spec.extra]:
+        name = Requirement(requirement).name.lower().replace("_", "-")
+        offers = {top for top, dists in provided.items() if name in {d.lower().replace("_", "-") for d in dists}}
+        assert offers & tops, f"extra {spec.extra}: {name} provides {sorted(offers)}, none of the SDK's {sorted(tops)}"
+
+
+@by_name
+def test_the_pytest_marker_and_docs_page_exist(spec: BrokerSpec) -> None:
+    markers = {line.split(":", 1)[0].strip() for line in PYPROJECT["tool"]["pytest"]["ini_options"]["markers"]}
+    assert spec.name in markers, f"no pytest marker {spec.name!r} in pyproject.toml (its integration suite uses it)"
+    assert (ROOT / "docs" / f"{spec.name}.md").is_file()
+    assert f"(docs/{spec.name}.md)" in (ROOT / "README.md").read_text(), "README's docs index does not link it"
+
+
+@by_name
+def test_harness_paths_resolve(spec: BrokerSpec) -> None:
+    """Found without importing (test brokers and harnesses are heavy): the module's file defines the name."""
+    for kind in (f.name for f in dataclasses.fields(Harness)):
+        path = getattr(spec.harness, kind)
+        if path is None:
+            continue
+        module, _, attribute = path.partition(":")
+        found = importlib.util.find_spec(module)
+        assert found is not None and found.origin is not None, f"harness.{kind}: no module {module}"
+        if attribute:
+            tree = ast.parse(Path(found.origin).read_text())
+            names = {n.name for n in tree.body if isinstance(n, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)}
+            assert attribute in names, f"harness.{kind}: {module} defines no {attribute}"
+
+
+@by_name
+def test_a_streams_log_name_uses_the_entrys_source_field(spec: BrokerSpec) -> None:
+    fields = tuple((name, f"source-of-{spec.name}") for name in spec.source_fields[:1])
+    assert _stream_name(("ns", spec.name, (*fields, ("other", "x")))) == f"{spec.name} 'source-of-{spec.name}'"
+
+
+# -- the registry as a whole -------------------------------------------------------------------------
+def test_every_trigger_module_has_an_entry() -> None:
+    """The reverse direction: a broker written without its registry entry is found here."""
+    modules = sorted(p.stem for p in (ROOT / PACKAGE / "triggers").glob("*.py") if p.stem != "__init__")
+    assert modules, "no trigger modules found"
+    missing = [name for name in modules if find_broker(name) is None]
+    assert not missing, f"trigger modules without a registry entry in {PACKAGE}/brokers.py: {missing}"
+
+
+def test_names_schemes_and_extras_are_unique() -> None:
+    for attribute in ("name", "queue_scheme", "extra", "settings", "trigger", "producer", "queue_provider"):
+        values = [getattr(spec, attribute) for spec in BROKERS]
+        assert len(set(values)) == len(values), f"two entries share a {attribute}"
+    assert tuple(spec.name for spec in BROKERS) == BROKER_NAMES
+    with pytest.raises(KeyError, match="known: kafka"):
+        broker_spec("nosuch")
+
+
+def test_the_memory_test_broker_has_its_own_name_and_is_no_user_broker() -> None:
+    from devkit.memory import MemorySharedStreamTrigger
+
+    trigger = MemorySharedStreamTrigger(broker_name="registry-test")
+    assert trigger.settings.broker == "memory"
+    assert find_broker("memory") is None and "memory" not in BROKER_NAMES
+    key = trigger.shared_stream_key()
+    assert isinstance(key, tuple) and key[1] == "memory"
+
+
+def test_a_harness_table_lists_without_loading_and_loads_on_lookup() -> None:
+    table = HarnessTable("kill_loop")
+    assert list(table) == [spec.name for spec in BROKERS if spec.harness.kill_loop]
+    with pytest.raises(KeyError, match="no kill_loop harness"):
+        table["nosuch"]
+    with pytest.raises(ValueError, match="no harness kind"):
+        HarnessTable("nosuch")
+
+
+def test_provider_yamls_broker_sections_are_written_from_the_registry(tmp_path: Path) -> None:
+    """The block between the markers is the registry's: a broker edited out by hand is a --check failure."""
+    text = (ROOT / "provider.yaml").read_text()
+    assert provider_info.with_broker_block(text, ROOT / "provider.yaml") == text
+    info = yaml.safe_load(text)
+    for section, items in provider_info.broker_sections().items():
+        assert info[section] == items
+    spec = BROKERS[-1]
+    drifted = text.replace(f"  - {spec.queue_provider_path}\n", "", 1)
+    assert drifted != text
+    (tmp_path / "provider.yaml").write_text(drifted)
+    module = tmp_path / "get_provider_info.py"
+    module.write_text((ROOT / PACKAGE / "get_provider_info.py").read_text())
+    args = ["--provider-yaml", str(tmp_path / "provider.yaml"), "--output", str(module)]
+    assert provider_info.main([*args, "--check"]) == 1
+    assert provider_info.main(args) == 0  # rewrites the block (and the module from it)
+    assert (tmp_path / "provider.yaml").read_text() == text
+    assert provider_info.main([*args, "--check"]) == 0

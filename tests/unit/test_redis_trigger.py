@@ -1,0 +1,225 @@
+"""RedisSharedStreamTrigger: identity (key, serialize), parse-time validation, import hygiene, the connection."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from airflow_shared_stream_provider import SharedStreamConfigError
+from airflow_shared_stream_provider.triggers.redis import RedisSharedStreamTrigger, RedisStreamSettings
+
+BASE: dict[str, Any] = {"stream": "orders", "redis_conn_id": "redis_prod"}
+
+
+class EuOnlyTrigger(RedisSharedStreamTrigger):
+    """A user subclass that only filters: it must share the stream with its siblings."""
+
+    def accept(self, envelope: Any) -> bool:
+        return bool(envelope["body"].get("region") == "eu")
+
+
+_ALTERNATIVES: dict[str, Any] = {
+    "stream": "refunds",
+    "redis_conn_id": "redis_other",
+    "group": "other-group",
+    "dead_letter_stream": "orders:dead-letter",
+    "dead_letter_maxlen": 1000,
+    "body_field": "payload",
+    "create_group": False,
+    "group_start_id": "$",
+    "claim_idle": 60,
+    "block": 5.0,
+    "read_count": 500,
+    "hold_backoff": 3,
+    "max_payload_bytes": 4096,
+    "oversize_policy": "truncate",
+    "max_delivery_attempts": 9,
+    "max_in_flight": 5,
+    "max_in_flight_bytes": 8 * 1024 * 1024,
+    "batch_size": 100,
+    "batch_timeout": 2.0,
+}
+
+
+def test_every_producer_setting_is_in_the_key() -> None:
+    names = {f.name for f in dataclasses.fields(RedisStreamSettings)}
+    assert names == set(_ALTERNATIVES), "a new setting needs an entry here (and a trigger argument)"
+    base_key = RedisSharedStreamTrigger(**BASE).shared_stream_key()
+    keys = {base_key}
+    for name, value in _ALTERNATIVES.items():
+        key = RedisSharedStreamTrigger(**{**BASE, name: value}).shared_stream_key()
+        assert key != base_key, f"{name} is not part of the shared_stream_key"
+        keys.add(key)
+    assert len(keys) == len(_ALTERNATIVES) + 1
+
+
+def test_the_key_covers_every_field_the_producer_reads() -> None:
+    """Every ``settings.<name>`` the producer modules read is a settings field (so it is in the key)."""
+    import re
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "airflow_shared_stream_provider" / "producers"
+    read = set()
+    for module in ("redis.py", "redis_client.py"):
+        read |= set(re.findall(r"settings\.([a-z_]+)", (package / module).read_text()))
+    fields = {f.name for f in dataclasses.fields(RedisStreamSettings)}
+    assert read, "the producer reads no settings?"
+    assert read <= fields, f"read by the producer but not in the key: {sorted(read - fields)}"
+
+
+def test_filters_and_filter_only_subclasses_share_the_stream() -> None:
+    plain = RedisSharedStreamTrigger(**BASE).shared_stream_key()
+    assert RedisSharedStreamTrigger(**BASE, match={"body.region": "eu"}).shared_stream_key() == plain
+    assert RedisSharedStreamTrigger(**BASE, filter_function="pkg.mod.f").shared_stream_key() == plain
+    assert RedisSharedStreamTrigger(**BASE, on_filter_error="skip").shared_stream_key() == plain
+    assert EuOnlyTrigger(**BASE).shared_stream_key() == plain
+    hash(plain)
+
+
+def test_serialize_round_trips_under_the_real_class_path() -> None:
+    trigger = EuOnlyTrigger(**BASE, dead_letter_stream="orders:dlq", match={"attributes.type": ["a", "b"]})
+    classpath, kwargs = trigger.serialize()
+    assert classpath == f"{__name__}.EuOnlyTrigger"
+    json.dumps(kwargs)  # kwargs live in the metadata DB
+    again = EuOnlyTrigger(**kwargs)
+    assert again.serialize() == (classpath, kwargs)
+    assert again.shared_stream_key() == trigger.shared_stream_key()
+    plain_path, _ = RedisSharedStreamTrigger(**BASE).serialize()
+    assert plain_path == "airflow_shared_stream_provider.triggers.redis.RedisSharedStreamTrigger"
+
+
+def test_serialize_holds_the_connection_id_never_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_REDIS_PROD",
+        json.dumps(
+            {
+                "conn_type": "redis",
+                "host": "redis.internal",
+                "login": "svc-airflow",
+                "password": "very-secret-password",
+                "extra": {"db": 3, "ssl": True, "ssl_keyfile": "/secret/key.pem"},
+            }
+        ),
+    )
+    trigger = RedisSharedStreamTrigger(**BASE)
+    _, kwargs = trigger.serialize()
+    text = json.dumps(kwargs) + repr(trigger.shared_stream_key())
+    assert kwargs["redis_conn_id"] == "redis_prod"
+    for secret in ("very-secret-password", "svc-airflow", "redis.internal", "/secret/key.pem"):
+        assert secret not in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stream": ""}, "stream must be a non-empty string"),
+        ({"dead_letter_stream": "orders"}, "dead_letter_stream must differ from stream"),
+        ({"group": " "}, "group must be a non-empty string"),
+        ({"group_start_id": "latest"}, "group_start_id must be"),
+        ({"claim_idle": 0.5}, "claim_idle must be a number >= 1"),
+        ({"hold_backoff": 40}, "hold_backoff must be <= 30"),
+        ({"read_count": 0}, "read_count must be a number >= 1"),
+        ({"read_count": 1.5}, "read_count must be an int"),
+        ({"block": 0}, "block must be a number >= 0.01"),
+        ({"dead_letter_maxlen": 0}, "dead_letter_maxlen must be a number >= 1"),
+        ({"create_group": "yes"}, "create_group must be True or False"),
+    ],
+)
+def test_config_errors_name_the_setting(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(SharedStreamConfigError, match=message):
+        RedisSharedStreamTrigger(**{**BASE, **kwargs})
+
+
+def test_the_trigger_module_loads_no_redis_library() -> None:
+    code = (
+        "import sys; import airflow_shared_stream_provider.triggers.redis as m; "
+        "m.RedisSharedStreamTrigger(stream='orders').serialize(); "
+        "bad = sorted(n for n in sys.modules if n == 'redis' or n.startswith(('redis.', 'hiredis'))); print(bad); "
+        "raise SystemExit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_missing_redis_library_gives_the_install_hint() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['redis'] = None\n"
+        "from airflow_shared_stream_provider._core.errors import MissingBrokerSDKError\n"
+        "try:\n"
+        "    import airflow_shared_stream_provider.producers.redis\n"
+        "except MissingBrokerSDKError as exc:\n"
+        "    print(exc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert "pip install 'airflow-shared-stream-provider[redis]'" in result.stdout
+
+
+# -- the connection and the wire format (no server needed) ---------------------------------------------------
+def test_the_upstream_redis_connection_is_read_like_redishook() -> None:
+    from airflow_shared_stream_provider.producers.redis_client import connection_from_fields
+
+    conn = connection_from_fields(
+        "r",
+        host="redis.internal",
+        port="6380",
+        login="svc",
+        password="s3cret",
+        schema=None,
+        extras={"db": "3", "ssl": "true", "ssl_cert_reqs": "NONE", "ssl_check_hostname": "false", "other": 1},
+    )
+    assert (conn.host, conn.port, conn.db, conn.username, conn.password) == ("redis.internal", 6380, 3, "svc", "s3cret")
+    assert conn.ssl == {"ssl": True, "ssl_cert_reqs": "none", "ssl_check_hostname": False}
+    assert "s3cret" not in repr(conn) and "s3cret" not in str(conn) and "s3cret" not in conn.describe()
+    # Upstream: a password of "none" / "false" / "" is no password; the schema may carry the db number.
+    plain = connection_from_fields("r", host=None, port=None, login=None, password="None", schema="5", extras={})
+    assert (plain.host, plain.port, plain.db, plain.password) == ("localhost", 6379, 5, None)
+    with pytest.raises(SharedStreamConfigError, match="two different databases"):
+        connection_from_fields("r", host="h", port=1, login=None, password=None, schema="1", extras={"db": 2})
+    with pytest.raises(SharedStreamConfigError, match="ssl_cert_reqs"):
+        connection_from_fields(
+            "r", host="h", port=1, login=None, password="pw", schema=None, extras={"ssl_cert_reqs": "x"}
+        )
+
+
+def test_entry_fields_split_into_body_and_attributes_and_a_dead_letter_copy() -> None:
+    from airflow_shared_stream_provider.producers.redis_client import dead_letter_fields, published_at, split_fields
+
+    fields = [b"a", b"1", b"body", b"{}", b"a", b"2", b"body", b"again", b"\xff", b"\x00"]
+    body, attributes = split_fields(fields, b"body")
+    assert body == b"{}"
+    assert attributes == {"a": "1", "body": "again", "base64:/w==": "\x00"}
+    assert split_fields([b"k", b"v"], b"body") == (None, {"k": "v"})
+    copy = dead_letter_fields(
+        [b"X-Dead-Letter-Reason", b"forged", b"x-original-X-Dead-Letter-Reason", b"taken", b"body", b"b"],
+        reason="why",
+        source="orders",
+        entry_id="1-0",
+        group="g",
+    )
+    assert copy[:6] == [
+        b"x-original-x-original-X-Dead-Letter-Reason",
+        b"forged",
+        b"x-original-X-Dead-Letter-Reason",
+        b"taken",
+        b"body",
+        b"b",
+    ]
+    assert copy[6:] == [
+        b"x-dead-letter-reason",
+        b"why",
+        b"x-dead-letter-source",
+        b"orders",
+        b"x-dead-letter-message-id",
+        b"1-0",
+        b"x-dead-letter-group",
+        b"g",
+    ]
+    assert published_at("1700000000123-4") == "2023-11-14T22:13:20.123000+00:00"
+    assert published_at("18446744073709551615-0") is None  # the largest id Redis takes: no date
+    assert published_at("garbage") is None
