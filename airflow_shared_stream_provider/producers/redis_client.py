@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from airflow_shared_stream_provider._core.connections import read_connection
+from airflow_shared_stream_provider._core.connections import read_connection, register_secrets
 from airflow_shared_stream_provider._core.dead_letter import MESSAGE_ID, ORIGINAL_PREFIX, PREFIX, REASON, SOURCE
 from airflow_shared_stream_provider._core.envelope import iso_from_epoch_ms, text_value
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError, missing_dependency
@@ -237,6 +237,9 @@ async def load_redis_connection(conn_id: str) -> RedisConnection:
     extras = await conn.aextra_dejson() if hasattr(conn, "aextra_dejson") else conn.extra_dejson
     if not isinstance(extras, dict):
         raise SharedStreamConfigError(f"Redis connection {conn_id!r}: the extra must be a JSON object")
+    # Airflow masks a connection's password field itself; registered here too, as every broker's
+    # reader does with what it reads, so that the guarantee does not rest on how it was fetched.
+    await register_secrets(conn.password)
     return connection_from_fields(
         conn_id,
         host=conn.host,

@@ -137,3 +137,28 @@ async def test_service_bus_connection_string_and_key_are_masked(
         assert_masked(logs, monkeypatch, connection_string, SAS_KEY)
     else:
         assert_leaks(logs, monkeypatch, SAS_KEY)
+
+
+async def test_redis_password_is_masked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    Redis (the fifth broker): the password field, which Airflow masks itself and our reader
+    registers too, is masked after a forced traceback. No control case: with our registration
+    removed Airflow's own masking still hides it (what this test pins down for the fifth broker).
+    """
+    pytest.importorskip("redis")
+    from airflow_shared_stream_provider.producers.redis_client import load_redis_connection
+
+    password = "redis-password-0e8d4c2a9b71"
+    conn_id = set_connection(
+        monkeypatch,
+        "redis_mask_unit",
+        {"conn_type": "redis", "host": "127.0.0.1", "port": 6390, "login": "svc", "password": password},
+    )
+    with triggerer_logs(monkeypatch) as logs:
+        connection = await load_redis_connection(conn_id)
+        assert connection.password == password
+        try:
+            raise RuntimeError(f"WRONGPASS invalid username-password pair for svc:{password}")
+        except RuntimeError:
+            logs.log_exception("Redis shared stream failed")
+    assert_masked(logs, monkeypatch, password)
