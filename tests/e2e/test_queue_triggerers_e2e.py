@@ -21,6 +21,7 @@ Proven for each of the three brokers:
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -127,6 +128,10 @@ def test_one_watcher_triggerer_recipe_loses_nothing(
 def test_a_split_across_two_triggerers_is_reported_loudly(
     broker: LoopBroker, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    # Split detection is broker-neutral (_core/split.py); CI runs it on SQS, and the Pub/Sub and
+    # Service Bus runs (over 2 minutes each on the CI machine) with KILL_LOOP_SLOW=1.
+    if broker.name != "sqs" and os.environ.get("KILL_LOOP_SLOW") != "1":
+        pytest.skip(f"split detection on {broker.name}: the same core as SQS's; run with KILL_LOOP_SLOW=1")
     with queue_airflow(broker, tmp_path_factory) as env:
         env.wait_for_dags([DAG_ID])
         env.unpause([DAG_ID])

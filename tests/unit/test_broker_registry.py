@@ -149,11 +149,29 @@ def test_the_extra_installs_the_sdk_and_nothing_else(spec: BrokerSpec) -> None:
     assert spec.extra in in_all, f"the all extra does not include {spec.extra}"
     # Each requirement is an installed distribution providing the SDK's top-level package.
     tops = {prefix.partition(".")[0] for prefix in spec.sdk_modules}
-    provided = importlib.metadata.packages_distributions()
     for requirement in extras[spec.extra]:
-        name = Requirement(requirement).name.lower().replace("_", "-")
-        offers = {top for top, dists in provided.items() if name in {d.lower().replace("_", "-") for d in dists}}
+        name = Requirement(requirement).name
+        offers = top_level_modules(name)
         assert offers & tops, f"extra {spec.extra}: {name} provides {sorted(offers)}, none of the SDK's {sorted(tops)}"
+
+
+def top_level_modules(distribution: str) -> set[str]:
+    """
+    The importable top-level names an installed distribution provides: its ``top_level.txt``, else
+    the first part of each file it installed. (Python 3.10's ``packages_distributions()`` reads only
+    ``top_level.txt``, which wheels built by newer backends, aiobotocore's and redis's, no longer have.)
+    """
+    dist = importlib.metadata.distribution(distribution)
+    declared = dist.read_text("top_level.txt")
+    if declared:
+        return {line.strip() for line in declared.splitlines() if line.strip()}
+    tops: set[str] = set()
+    for file in dist.files or ():
+        first = file.parts[0]
+        if first.endswith((".dist-info", ".egg-info", ".data")) or first in {"..", "__pycache__"}:
+            continue
+        tops.add(first.removesuffix(".py") if len(file.parts) == 1 else first)
+    return tops
 
 
 @by_name
