@@ -86,6 +86,16 @@ async def register_secrets(*values: Any) -> None:
             await amask_secret(value)
 
 
+async def read_extras(connection: Connection) -> Any:
+    """
+    The connection's extra as decoded JSON: ``aextra_dejson`` (it reads the extra without blocking
+    the triggerer's loop) where the task SDK has it, else ``extra_dejson``. The caller checks the type.
+    """
+    if hasattr(connection, "aextra_dejson"):
+        return await connection.aextra_dejson()
+    return connection.extra_dejson
+
+
 def prefixed_extra(extras: Mapping[str, Any], name: str, conn_type: str) -> Any:
     """Extra ``name``, else its legacy ``extra__<conn_type>__<name>`` form; ``""`` counts as unset."""
     value = extras.get(name)
@@ -217,7 +227,7 @@ async def load_aws_connection(
     if conn is not None:
         found = True
         login, password = conn.login or None, conn.password or None
-        extras = await conn.aextra_dejson() if hasattr(conn, "aextra_dejson") else conn.extra_dejson
+        extras = await read_extras(conn)
 
     def error(cause: str) -> SharedStreamConfigError:
         return SharedStreamConfigError(f"connection {conn_id!r}: {cause}")
@@ -366,9 +376,7 @@ async def load_gcp_connection(conn_id: str) -> GcpConnection:
     connection = await read_connection(conn_id)
     extras: dict[str, Any] = {}
     if connection is not None:
-        extras = dict(
-            await connection.aextra_dejson() if hasattr(connection, "aextra_dejson") else connection.extra_dejson
-        )
+        extras = dict(await read_extras(connection))
     keyfile_dict = prefixed_extra(extras, "keyfile_dict", GCP)
     await register_secrets(
         keyfile_dict if isinstance(keyfile_dict, str) else None,

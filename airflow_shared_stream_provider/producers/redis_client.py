@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from airflow_shared_stream_provider._core.connections import read_connection, register_secrets
+from airflow_shared_stream_provider._core.connections import read_connection, read_extras, register_secrets
 from airflow_shared_stream_provider._core.dead_letter import MESSAGE_ID, ORIGINAL_PREFIX, PREFIX, REASON, SOURCE
 from airflow_shared_stream_provider._core.envelope import iso_from_epoch_ms, text_value
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError, missing_dependency
@@ -234,7 +234,7 @@ async def load_redis_connection(conn_id: str) -> RedisConnection:
             f"Redis connection {conn_id!r} does not exist: create a connection of type 'redis' (host, port, "
             "password, extra 'db')"
         )
-    extras = await conn.aextra_dejson() if hasattr(conn, "aextra_dejson") else conn.extra_dejson
+    extras = await read_extras(conn)
     if not isinstance(extras, dict):
         raise SharedStreamConfigError(f"Redis connection {conn_id!r}: the extra must be a JSON object")
     # Airflow masks a connection's password field itself; registered here too, as every broker's
