@@ -50,6 +50,7 @@ from devkit.airflow_env import AirflowEnv
 from devkit.demo import build_dags_folder, make_order
 from devkit.demo_types import OrderMessage
 from tests.e2e.loop_brokers import CONN_ID, Deliveries, LoopBroker, dag_env, loop_broker
+from tests.slow import slow_asked
 
 pytestmark = [pytest.mark.e2e]
 
@@ -263,9 +264,7 @@ def test_kill_loop_kafka_fast(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture
 def _slow_opt_in(request: pytest.FixtureRequest) -> None:
-    markexpr = str(request.config.getoption("markexpr", "") or "")
-    asked = re.search(r"(?<!not )\bslow\b", markexpr) is not None
-    if not asked and os.environ.get("KILL_LOOP_SLOW") != "1":
+    if not slow_asked(request.config, "KILL_LOOP_SLOW"):
         pytest.skip("20-kill loop: run with -m slow or KILL_LOOP_SLOW=1")
 
 

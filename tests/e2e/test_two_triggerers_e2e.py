@@ -23,7 +23,6 @@ import contextlib
 import functools
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -40,6 +39,7 @@ from devkit.airflow_env import AirflowComponent, AirflowEnv
 from devkit.brokers import start_kafka
 from devkit.demo import build_dags_folder, kafka_connection
 from devkit.postgres import FAST_SETTINGS, PostgresServer
+from tests.slow import slow_asked
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.timeout(900)]
 
@@ -219,8 +219,7 @@ def test_watchers_moved_from_a_killed_triggerer_lose_nothing(two_triggerers: tup
 # -- several kills and a stalled triggerer (issue 23, item 5) -------------------------------------
 @pytest.fixture
 def _slow_opt_in(request: pytest.FixtureRequest) -> None:
-    markexpr = str(request.config.getoption("markexpr", "") or "")
-    if re.search(r"(?<!not )\bslow\b", markexpr) is None and os.environ.get("KILL_LOOP_SLOW") != "1":
+    if not slow_asked(request.config, "KILL_LOOP_SLOW"):
         pytest.skip("two-triggerer kill loop: run with -m slow or KILL_LOOP_SLOW=1")
 
 

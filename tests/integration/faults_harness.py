@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
 import re
 import time
@@ -40,6 +39,7 @@ from airflow.triggers.shared_stream import SharedStreamManager
 from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
 from devkit.runner import RunnerSim, wait_until
 from tests.faultproxy import FaultProxy
+from tests.slow import slow_asked
 
 FAULT_SECONDS = 5.0
 """How long a stall or a refusal lasts."""
@@ -101,9 +101,7 @@ failures, 1+2+4+8 s apart), so that one fails its group loudly and is re-created
 
 @pytest.fixture
 def _slow_opt_in(request: pytest.FixtureRequest) -> None:
-    markexpr = str(request.config.getoption("markexpr", "") or "")
-    asked = re.search(r"(?<!not )\bslow\b", markexpr) is not None
-    if not asked and os.environ.get("BROKER_FAULTS_SLOW") != "1":
+    if not slow_asked(request.config, "BROKER_FAULTS_SLOW"):
         pytest.skip("long fault variant: run with -m slow or BROKER_FAULTS_SLOW=1")
 
 
