@@ -157,6 +157,11 @@ def deliveries(env: AirflowEnv) -> dict[str, Counter[str]]:
     return seen
 
 
+def missing_per_watcher(seen: dict[str, Counter[str]], published: set[str]) -> dict[str, int]:
+    """How many of ``published`` each watcher of ``seen`` (:func:`deliveries`) has not got (only the non-zero)."""
+    return {name: len(published - set(counts)) for name, counts in seen.items() if published - set(counts)}
+
+
 def test_watchers_moved_from_a_killed_triggerer_lose_nothing(two_triggerers: tuple[AirflowEnv, str]) -> None:
     env, bootstrap = two_triggerers
     job_a = env.latest_triggerer_job_id()
@@ -200,13 +205,12 @@ def test_watchers_moved_from_a_killed_triggerer_lose_nothing(two_triggerers: tup
 
     def complete() -> dict[str, Counter[str]] | None:
         seen = deliveries(env)
-        return seen if all(published <= set(counts) for counts in seen.values()) else None
+        return None if missing_per_watcher(seen, published) else seen
 
     try:
         seen = env.wait_until(complete, timeout=300, what="every watcher to have every message", interval=3)
     except Exception:
-        seen = deliveries(env)
-        missing = {name: len(published - set(counts)) for name, counts in seen.items() if published - set(counts)}
+        missing = missing_per_watcher(deliveries(env), published)
         raise AssertionError(f"lost per watcher: {missing}\n{env.log_tails(80)}") from None
     dups = {name: sum(counts.values()) - len(counts) for name, counts in seen.items()}
     rewinds = env.components["triggerer-b"].log_text().count("late watcher(s); rewound {")
@@ -299,25 +303,18 @@ def test_two_triggerers_killed_in_turn_and_one_stalled_lose_nothing(two_triggere
     assert publisher.error is None, publisher.error
     published = set(publisher.ids)
 
-    def complete() -> dict[str, Counter[str]] | None:
-        seen = deliveries(env)
-        return seen if all(published <= set(counts) for counts in seen.values()) else None
-
     # One triggerer now carries all 20 watchers and the backlog the kills left (20 events per
     # message, one DB session each): it catches up at the machine's pace. Lost means no progress
     # for 3 minutes with messages still missing, not a fixed deadline.
     caught_up_from = time.monotonic()
     last_total, last_progress = -1, time.monotonic()
-    while (seen_now := complete()) is None:
-        total = sum(distinct_per_watcher(env).values())
+    while missing := missing_per_watcher(seen := deliveries(env), published):
+        total = sum(len(counts) for counts in seen.values())
         if total > last_total:
             last_total, last_progress = total, time.monotonic()
         elif time.monotonic() - last_progress > 180:
-            seen = deliveries(env)
-            missing = {name: len(published - set(counts)) for name, counts in seen.items() if published - set(counts)}
             raise AssertionError(f"lost per watcher: {missing}; {recoveries}\n{env.log_tails(80)}")
         time.sleep(5)
-    seen = seen_now
     catch_up = time.monotonic() - caught_up_from
     dups = {name: sum(counts.values()) - len(counts) for name, counts in seen.items()}
     print(
