@@ -12,6 +12,7 @@ import pytest
 
 from airflow_shared_stream_provider import SharedStreamConfigError
 from airflow_shared_stream_provider.triggers.redis import RedisSharedStreamTrigger, RedisStreamSettings
+from tests.stream_keys import assert_every_setting_reaches_the_key
 
 BASE: dict[str, Any] = {"stream": "orders", "redis_conn_id": "redis_prod"}
 
@@ -47,15 +48,7 @@ _ALTERNATIVES: dict[str, Any] = {
 
 
 def test_every_producer_setting_is_in_the_key() -> None:
-    names = {f.name for f in dataclasses.fields(RedisStreamSettings)}
-    assert names == set(_ALTERNATIVES), "a new setting needs an entry here (and a trigger argument)"
-    base_key = RedisSharedStreamTrigger(**BASE).shared_stream_key()
-    keys = {base_key}
-    for name, value in _ALTERNATIVES.items():
-        key = RedisSharedStreamTrigger(**{**BASE, name: value}).shared_stream_key()
-        assert key != base_key, f"{name} is not part of the shared_stream_key"
-        keys.add(key)
-    assert len(keys) == len(_ALTERNATIVES) + 1
+    assert_every_setting_reaches_the_key(RedisSharedStreamTrigger, BASE, _ALTERNATIVES)
 
 
 def test_the_key_covers_every_field_the_producer_reads() -> None:

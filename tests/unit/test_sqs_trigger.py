@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -13,10 +12,10 @@ import pytest
 from airflow_shared_stream_provider import SharedStreamConfigError
 from airflow_shared_stream_provider.triggers.sqs import (
     SqsSharedStreamTrigger,
-    SqsStreamSettings,
     is_fifo_url,
     region_from_queue_url,
 )
+from tests.stream_keys import assert_every_setting_reaches_the_key
 
 QUEUE = "https://sqs.eu-west-1.amazonaws.com/123456789012/orders"
 BASE: dict[str, Any] = {"queue_url": QUEUE, "aws_conn_id": "aws_prod"}
@@ -50,15 +49,7 @@ _ALTERNATIVES: dict[str, Any] = {
 
 
 def test_every_producer_setting_is_in_the_key() -> None:
-    names = {f.name for f in dataclasses.fields(SqsStreamSettings)}
-    assert names == set(_ALTERNATIVES), "a new setting needs an entry here (and a trigger argument)"
-    base_key = SqsSharedStreamTrigger(**BASE).shared_stream_key()
-    keys = {base_key}
-    for name, value in _ALTERNATIVES.items():
-        key = SqsSharedStreamTrigger(**{**BASE, name: value}).shared_stream_key()
-        assert key != base_key, f"{name} is not part of the shared_stream_key"
-        keys.add(key)
-    assert len(keys) == len(_ALTERNATIVES) + 1
+    assert_every_setting_reaches_the_key(SqsSharedStreamTrigger, BASE, _ALTERNATIVES)
 
 
 def test_filters_and_filter_only_subclasses_share_the_stream() -> None:

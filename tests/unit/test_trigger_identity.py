@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
 import pytest
 
 from airflow_shared_stream_provider import SharedStreamConfigError
-from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger, KafkaStreamSettings
+from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger
+from tests.stream_keys import assert_every_setting_reaches_the_key
 
 BASE: dict[str, Any] = {"topics": ["orders"], "kafka_config_id": "kafka_prod"}
 
@@ -66,12 +66,7 @@ _ALTERNATIVES: dict[str, Any] = {
 
 
 def test_every_producer_setting_is_in_the_key() -> None:
-    names = {f.name for f in dataclasses.fields(KafkaStreamSettings)}
-    assert names == set(_ALTERNATIVES), "a new producer setting needs a key test"
-    base_key = KafkaSharedStreamTrigger(**BASE).shared_stream_key()
-    for name, value in _ALTERNATIVES.items():
-        changed = KafkaSharedStreamTrigger(**{**BASE, name: value}).shared_stream_key()
-        assert changed != base_key, f"{name} does not reach shared_stream_key()"
+    assert_every_setting_reaches_the_key(KafkaSharedStreamTrigger, BASE, _ALTERNATIVES)
 
 
 def test_serialize_holds_connection_ids_only() -> None:
