@@ -197,7 +197,7 @@ BROKERS: Final[tuple[BrokerSpec, ...]] = (
             faults="tests.integration.test_broker_faults_pubsub_servicebus",
             kill_loop="tests.e2e.loop_brokers:ServiceBusLoop",
             bench="bench.triggerer_bench:ServiceBusBroker",
-            demo=None,  # no Service Bus demo stream yet
+            demo="devkit.servicebus_demo:ServiceBusDemoStream",
         ),
     ),
     BrokerSpec(

@@ -11,6 +11,7 @@ from typing import Any
 
 import redis
 
+from airflow_shared_stream_provider.brokers import broker_spec
 from bench.triggerer_bench import BenchBroker, BenchStream, BodyFactory, paced
 from devkit.redis_broker import RedisServer, start_redis
 
@@ -62,7 +63,7 @@ class RedisStream(BenchStream):
 
     def trigger(self, impl: str) -> tuple[str, dict[str, Any]]:
         return (
-            "airflow_shared_stream_provider.triggers.redis.RedisSharedStreamTrigger",
+            broker_spec("redis").trigger_path,
             {"stream": self.stream, "redis_conn_id": self.conn_id},
         )
 

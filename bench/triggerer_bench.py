@@ -173,7 +173,10 @@ class BenchStream:
         raise NotImplementedError
 
     def trigger(self, impl: str) -> tuple[str, dict[str, Any]]:
-        """``(class import path, kwargs)`` of a trigger that matches every message of this stream."""
+        """
+        ``(class import path, kwargs)`` of a trigger that matches every message of this stream; ours
+        is the registry's ``broker_spec(name).trigger_path``, not a path written here.
+        """
         raise NotImplementedError
 
     def connections(self, impl: str) -> dict[str, Any]:
@@ -269,7 +272,7 @@ class KafkaStream(BenchStream):
         if impl == "upstream":
             return UPSTREAM_KAFKA, {"topics": [self.topic], "kafka_config_id": self.conn_id}
         return (
-            "airflow_shared_stream_provider.triggers.kafka.KafkaSharedStreamTrigger",
+            broker_spec("kafka").trigger_path,
             {"topics": [self.topic], "kafka_config_id": self.conn_id, "group_id": self.group_id},
         )
 
@@ -357,7 +360,7 @@ class SqsStream(BenchStream):
 
     def trigger(self, impl: str) -> tuple[str, dict[str, Any]]:
         return (
-            "airflow_shared_stream_provider.triggers.sqs.SqsSharedStreamTrigger",
+            broker_spec("sqs").trigger_path,
             {"queue_url": self.queue_url, "aws_conn_id": self.conn_id, "region_name": self.region},
         )
 
@@ -433,7 +436,7 @@ class PubSubStream(BenchStream):
 
     def trigger(self, impl: str) -> tuple[str, dict[str, Any]]:
         return (
-            "airflow_shared_stream_provider.triggers.pubsub.PubSubSharedStreamTrigger",
+            broker_spec("pubsub").trigger_path,
             {"subscription": self.subscription, "gcp_conn_id": self.conn_id},
         )
 
@@ -509,7 +512,7 @@ class ServiceBusStream(BenchStream):
 
     def trigger(self, impl: str) -> tuple[str, dict[str, Any]]:
         return (
-            "airflow_shared_stream_provider.triggers.servicebus.ServiceBusSharedStreamTrigger",
+            broker_spec("servicebus").trigger_path,
             {"queue_name": self.queue, "azure_service_bus_conn_id": self.conn_id},
         )
 

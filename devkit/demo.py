@@ -11,8 +11,9 @@ summary and stops every process it started (``--keep`` leaves them running until
 
 Works without a TTY (plain progress lines instead of the live table). Options: ``--messages N``,
 ``--rate R`` (messages per second), ``--spark local|standalone|connect`` (where the PySpark task
-runs; see :mod:`devkit.spark_cluster`), ``--broker kafka|sqs|pubsub`` (a moto server or Google's
-Pub/Sub emulator and that broker's example Dags; see :mod:`devkit.demo_streams`), ``--batch-size N``
+runs; see :mod:`devkit.spark_cluster`), ``--broker kafka|sqs|pubsub|redis|servicebus`` (a moto
+server, Google's Pub/Sub emulator, redis-server or the Service Bus test broker, and that broker's
+example Dags; see :mod:`devkit.demo_streams`), ``--batch-size N``
 (the triggers' ``batch_size``: up to N messages per asset event), ``--keep``, ``--timeout S``.
 
 No "flush" message is published at the end: the watcher that feeds the PySpark pipeline has
@@ -519,8 +520,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         # Every registry broker with a demo stream (harness.demo), named without importing any.
         choices=list(harness_names("demo")),
         default="kafka",
-        help="kafka (Tansu, default), sqs (moto server) or pubsub (Google's emulator), or any broker with a "
-        "demo stream: same scenario, that broker's example Dags",
+        help="kafka (Tansu, default), sqs (moto server), pubsub (Google's emulator), redis (redis-server) or "
+        "servicebus (the wire-level Service Bus test broker), or any broker with a demo stream: same scenario, "
+        "that broker's example Dags",
     )
     parser.add_argument(
         "--spark",

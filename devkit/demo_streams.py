@@ -1,5 +1,5 @@
 """
-The brokers the demo (``python -m devkit.demo --broker kafka|sqs|pubsub``) can run on, behind one
+The brokers the demo (``python -m devkit.demo --broker kafka|sqs|pubsub|redis|servicebus``) can run on, behind one
 shape: each registry broker whose ``harness.demo`` names its :class:`DemoStream`.
 
 A :class:`DemoStream` starts its local broker, creates the source and dead-letter destinations,

@@ -33,8 +33,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from airflow.sdk import Asset, AssetWatcher, dag, task
-from order_events import pipeline_flush_after, record_receipts, stream_options, unique_envelopes
+from airflow.sdk import Asset, AssetWatcher
+from order_events import consumer_dag, pipeline_flush_after, stream_options
 from orders_spark import build_orders_spark_pipeline
 
 from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger
@@ -44,8 +44,8 @@ DLQ_TOPIC = os.environ.get("ORDERS_DLQ_TOPIC", f"{TOPIC}.dlq")
 KAFKA_CONN_ID = os.environ.get("ORDERS_KAFKA_CONN_ID", "kafka_default")
 
 
-def orders_watcher(name: str, **watcher_filter: Any) -> AssetWatcher:
-    """A watcher on the shared ``orders`` stream: same producer settings, its own filter."""
+def orders_asset(name: str, **watcher_filter: Any) -> Asset:
+    """An asset fired by its own watcher on the shared ``orders`` stream: same producer settings, its own filter."""
     trigger = KafkaSharedStreamTrigger(
         topics=[TOPIC],
         kafka_config_id=KAFKA_CONN_ID,
@@ -53,59 +53,22 @@ def orders_watcher(name: str, **watcher_filter: Any) -> AssetWatcher:
         **stream_options(),
         **watcher_filter,
     )
-    return AssetWatcher(name=name, trigger=trigger)
+    return Asset(name, watchers=[AssetWatcher(name=name, trigger=trigger)])
 
 
-orders_eu = Asset("kafka_orders_eu", watchers=[orders_watcher("kafka_orders_eu", match={"body.region": "eu"})])
-orders_us_apac = Asset(
-    "kafka_orders_us_apac",
-    watchers=[orders_watcher("kafka_orders_us_apac", match={"body.region": ["us", "apac"]})],
-)
-orders_big = Asset(
-    "kafka_orders_big",
-    watchers=[orders_watcher("kafka_orders_big", filter_function="order_filters.is_big_order")],
-)
-orders_valid = Asset(
+orders_eu = orders_asset("kafka_orders_eu", match={"body.region": "eu"})
+orders_us_apac = orders_asset("kafka_orders_us_apac", match={"body.region": ["us", "apac"]})
+orders_big = orders_asset("kafka_orders_big", filter_function="order_filters.is_big_order")
+orders_valid = orders_asset(
     "kafka_orders_valid",
-    watchers=[
-        orders_watcher(
-            "kafka_orders_valid",
-            filter_function="order_filters.require_valid_order",
-            flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
-        )
-    ],
+    filter_function="order_filters.require_valid_order",
+    flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
 )
 
-
-def consumer_dag(dag_id: str, asset: Asset, sink: str) -> None:
-    """An asset-scheduled Dag that handles the batch of orders its run was created for."""
-
-    @dag(
-        dag_id=dag_id,
-        schedule=[asset],
-        max_active_runs=1,  # later events queue up and land in the next run's batch
-        catchup=False,
-        tags=["shared-stream", "kafka"],
-    )
-    def consumer() -> None:
-        @task
-        def handle_orders(triggering_asset_events: Any = None) -> dict[str, int]:
-            # One run may carry many events; a redelivered message has the same message_id.
-            envelopes = unique_envelopes(triggering_asset_events)
-            for envelope in envelopes:
-                body = envelope["body"]
-                print(f"{envelope['message_id']} attempt={envelope['delivery_attempt']}: {body}")
-            counts = record_receipts(envelopes, sink)  # idempotent side effect
-            return {"events": len(envelopes), **counts}
-
-        handle_orders()
-
-    consumer()
-
-
-consumer_dag("kafka_orders_eu_consumer", orders_eu, "kafka_eu")
-consumer_dag("kafka_orders_us_apac_consumer", orders_us_apac, "kafka_us_apac")
-consumer_dag("kafka_orders_big_consumer", orders_big, "kafka_big")
+# A Dag per asset, run on the asset's events (order_events.consumer_dag: dedup, one receipt per order).
+consumer_dag("kafka_orders_eu_consumer", schedule=[orders_eu], sink="kafka_eu", broker="kafka")
+consumer_dag("kafka_orders_us_apac_consumer", schedule=[orders_us_apac], sink="kafka_us_apac", broker="kafka")
+consumer_dag("kafka_orders_big_consumer", schedule=[orders_big], sink="kafka_big", broker="kafka")
 
 # All well-formed orders feed the PySpark pipeline (revenue per region and minute, in Parquet).
 build_orders_spark_pipeline(dag_id="kafka_orders_spark_pipeline", source=orders_valid, dataset="kafka")

@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from airflow.sdk import Asset, AssetWatcher, dag, task
-from order_events import pipeline_flush_after, record_receipts, stream_options, unique_envelopes
+from airflow.sdk import Asset, AssetWatcher
+from order_events import consumer_dag, pipeline_flush_after, stream_options
 from orders_spark import build_orders_spark_pipeline
 
 from airflow_shared_stream_provider.triggers.redis import RedisSharedStreamTrigger
@@ -31,8 +31,8 @@ DEAD_LETTER_STREAM = os.environ.get("ORDERS_REDIS_DEAD_LETTER_STREAM", f"{STREAM
 REDIS_CONN_ID = os.environ.get("ORDERS_REDIS_CONN_ID", "redis_default")
 
 
-def orders_watcher(name: str, **watcher_filter: Any) -> AssetWatcher:
-    """A watcher on the shared Redis stream: same producer settings, its own filter."""
+def orders_asset(name: str, **watcher_filter: Any) -> Asset:
+    """An asset fired by its own watcher on the shared Redis stream: same producer settings, its own filter."""
     trigger = RedisSharedStreamTrigger(
         stream=STREAM,
         redis_conn_id=REDIS_CONN_ID,
@@ -40,42 +40,20 @@ def orders_watcher(name: str, **watcher_filter: Any) -> AssetWatcher:
         **stream_options(),
         **watcher_filter,
     )
-    return AssetWatcher(name=name, trigger=trigger)
+    return Asset(name, watchers=[AssetWatcher(name=name, trigger=trigger)])
 
 
-orders_eu = Asset("redis_orders_eu", watchers=[orders_watcher("redis_orders_eu", match={"body.region": "eu"})])
-orders_us_apac = Asset(
-    "redis_orders_us_apac", watchers=[orders_watcher("redis_orders_us_apac", match={"body.region": ["us", "apac"]})]
-)
-orders_big = Asset(
-    "redis_orders_big", watchers=[orders_watcher("redis_orders_big", filter_function="order_filters.is_big_order")]
-)
-orders_valid = Asset(
+orders_eu = orders_asset("redis_orders_eu", match={"body.region": "eu"})
+orders_us_apac = orders_asset("redis_orders_us_apac", match={"body.region": ["us", "apac"]})
+orders_big = orders_asset("redis_orders_big", filter_function="order_filters.is_big_order")
+orders_valid = orders_asset(
     "redis_orders_valid",
-    watchers=[
-        orders_watcher(
-            "redis_orders_valid",
-            filter_function="order_filters.require_valid_order",
-            flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
-        )
-    ],
+    filter_function="order_filters.require_valid_order",
+    flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
 )
 
-
-def consumer_dag(dag_id: str, asset: Asset, sink: str) -> None:
-    @dag(dag_id=dag_id, schedule=[asset], max_active_runs=1, catchup=False, tags=["shared-stream", "redis"])
-    def consumer() -> None:
-        @task
-        def handle_orders(triggering_asset_events: Any = None) -> dict[str, int]:
-            envelopes = unique_envelopes(triggering_asset_events)  # dedup on message_id
-            return {"events": len(envelopes), **record_receipts(envelopes, sink)}
-
-        handle_orders()
-
-    consumer()
-
-
-consumer_dag("redis_orders_eu_consumer", orders_eu, "redis_eu")
-consumer_dag("redis_orders_us_apac_consumer", orders_us_apac, "redis_us_apac")
-consumer_dag("redis_orders_big_consumer", orders_big, "redis_big")
+# A Dag per asset, run on the asset's events (order_events.consumer_dag: dedup, one receipt per order).
+consumer_dag("redis_orders_eu_consumer", schedule=[orders_eu], sink="redis_eu", broker="redis")
+consumer_dag("redis_orders_us_apac_consumer", schedule=[orders_us_apac], sink="redis_us_apac", broker="redis")
+consumer_dag("redis_orders_big_consumer", schedule=[orders_big], sink="redis_big", broker="redis")
 build_orders_spark_pipeline(dag_id="redis_orders_spark_pipeline", source=orders_valid, dataset="redis")

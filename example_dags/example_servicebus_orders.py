@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from airflow.sdk import Asset, AssetWatcher, dag, task
-from order_events import pipeline_flush_after, record_receipts, stream_options, unique_envelopes
+from airflow.sdk import Asset, AssetWatcher
+from order_events import consumer_dag, pipeline_flush_after, stream_options
 from orders_spark import build_orders_spark_pipeline
 
 from airflow_shared_stream_provider.triggers.servicebus import ServiceBusSharedStreamTrigger
@@ -28,51 +28,27 @@ QUEUE = os.environ.get("ORDERS_SERVICEBUS_QUEUE", "orders")
 CONN_ID = os.environ.get("ORDERS_SERVICEBUS_CONN_ID", "azure_service_bus_default")
 
 
-def orders_watcher(name: str, **watcher_filter: Any) -> AssetWatcher:
-    """A watcher on the shared Service Bus stream: same producer settings, its own filter."""
+def orders_asset(name: str, **watcher_filter: Any) -> Asset:
+    """An asset fired by its own watcher on the shared Service Bus stream: same producer settings, its own filter."""
     trigger = ServiceBusSharedStreamTrigger(
         queue_name=QUEUE, azure_service_bus_conn_id=CONN_ID, **stream_options(), **watcher_filter
     )
-    return AssetWatcher(name=name, trigger=trigger)
+    return Asset(name, watchers=[AssetWatcher(name=name, trigger=trigger)])
 
 
-orders_eu = Asset(
-    "servicebus_orders_eu", watchers=[orders_watcher("servicebus_orders_eu", match={"body.region": "eu"})]
-)
-orders_us_apac = Asset(
-    "servicebus_orders_us_apac",
-    watchers=[orders_watcher("servicebus_orders_us_apac", match={"body.region": ["us", "apac"]})],
-)
-orders_big = Asset(
-    "servicebus_orders_big",
-    watchers=[orders_watcher("servicebus_orders_big", filter_function="order_filters.is_big_order")],
-)
-orders_valid = Asset(
+orders_eu = orders_asset("servicebus_orders_eu", match={"body.region": "eu"})
+orders_us_apac = orders_asset("servicebus_orders_us_apac", match={"body.region": ["us", "apac"]})
+orders_big = orders_asset("servicebus_orders_big", filter_function="order_filters.is_big_order")
+orders_valid = orders_asset(
     "servicebus_orders_valid",
-    watchers=[
-        orders_watcher(
-            "servicebus_orders_valid",
-            filter_function="order_filters.require_valid_order",
-            flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
-        )
-    ],
+    filter_function="order_filters.require_valid_order",
+    flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
 )
 
-
-def consumer_dag(dag_id: str, asset: Asset, sink: str) -> None:
-    @dag(dag_id=dag_id, schedule=[asset], max_active_runs=1, catchup=False, tags=["shared-stream", "servicebus"])
-    def consumer() -> None:
-        @task
-        def handle_orders(triggering_asset_events: Any = None) -> dict[str, int]:
-            envelopes = unique_envelopes(triggering_asset_events)  # dedup on message_id
-            return {"events": len(envelopes), **record_receipts(envelopes, sink)}
-
-        handle_orders()
-
-    consumer()
-
-
-consumer_dag("servicebus_orders_eu_consumer", orders_eu, "servicebus_eu")
-consumer_dag("servicebus_orders_us_apac_consumer", orders_us_apac, "servicebus_us_apac")
-consumer_dag("servicebus_orders_big_consumer", orders_big, "servicebus_big")
+# A Dag per asset, run on the asset's events (order_events.consumer_dag: dedup, one receipt per order).
+consumer_dag("servicebus_orders_eu_consumer", schedule=[orders_eu], sink="servicebus_eu", broker="servicebus")
+consumer_dag(
+    "servicebus_orders_us_apac_consumer", schedule=[orders_us_apac], sink="servicebus_us_apac", broker="servicebus"
+)
+consumer_dag("servicebus_orders_big_consumer", schedule=[orders_big], sink="servicebus_big", broker="servicebus")
 build_orders_spark_pipeline(dag_id="servicebus_orders_spark_pipeline", source=orders_valid, dataset="servicebus")

@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from airflow.sdk import Asset, AssetWatcher, dag, task
-from order_events import pipeline_flush_after, record_receipts, stream_options, unique_envelopes
+from airflow.sdk import Asset, AssetWatcher
+from order_events import consumer_dag, pipeline_flush_after, stream_options
 from orders_spark import build_orders_spark_pipeline
 
 from airflow_shared_stream_provider.triggers.sqs import SqsSharedStreamTrigger
@@ -30,47 +30,25 @@ DLQ_URL = os.environ.get("ORDERS_SQS_DLQ_URL", "https://sqs.eu-west-1.amazonaws.
 AWS_CONN_ID = os.environ.get("ORDERS_AWS_CONN_ID", "aws_default")
 
 
-def orders_watcher(name: str, **watcher_filter: Any) -> AssetWatcher:
-    """A watcher on the shared SQS stream: same producer settings, its own filter."""
+def orders_asset(name: str, **watcher_filter: Any) -> Asset:
+    """An asset fired by its own watcher on the shared SQS stream: same producer settings, its own filter."""
     trigger = SqsSharedStreamTrigger(
         queue_url=QUEUE_URL, aws_conn_id=AWS_CONN_ID, dlq_queue_url=DLQ_URL, **stream_options(), **watcher_filter
     )
-    return AssetWatcher(name=name, trigger=trigger)
+    return Asset(name, watchers=[AssetWatcher(name=name, trigger=trigger)])
 
 
-orders_eu = Asset("sqs_orders_eu", watchers=[orders_watcher("sqs_orders_eu", match={"body.region": "eu"})])
-orders_us_apac = Asset(
-    "sqs_orders_us_apac", watchers=[orders_watcher("sqs_orders_us_apac", match={"body.region": ["us", "apac"]})]
-)
-orders_big = Asset(
-    "sqs_orders_big", watchers=[orders_watcher("sqs_orders_big", filter_function="order_filters.is_big_order")]
-)
-orders_valid = Asset(
+orders_eu = orders_asset("sqs_orders_eu", match={"body.region": "eu"})
+orders_us_apac = orders_asset("sqs_orders_us_apac", match={"body.region": ["us", "apac"]})
+orders_big = orders_asset("sqs_orders_big", filter_function="order_filters.is_big_order")
+orders_valid = orders_asset(
     "sqs_orders_valid",
-    watchers=[
-        orders_watcher(
-            "sqs_orders_valid",
-            filter_function="order_filters.require_valid_order",
-            flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
-        )
-    ],
+    filter_function="order_filters.require_valid_order",
+    flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
 )
 
-
-def consumer_dag(dag_id: str, asset: Asset, sink: str) -> None:
-    @dag(dag_id=dag_id, schedule=[asset], max_active_runs=1, catchup=False, tags=["shared-stream", "sqs"])
-    def consumer() -> None:
-        @task
-        def handle_orders(triggering_asset_events: Any = None) -> dict[str, int]:
-            envelopes = unique_envelopes(triggering_asset_events)  # dedup on message_id
-            return {"events": len(envelopes), **record_receipts(envelopes, sink)}
-
-        handle_orders()
-
-    consumer()
-
-
-consumer_dag("sqs_orders_eu_consumer", orders_eu, "sqs_eu")
-consumer_dag("sqs_orders_us_apac_consumer", orders_us_apac, "sqs_us_apac")
-consumer_dag("sqs_orders_big_consumer", orders_big, "sqs_big")
+# A Dag per asset, run on the asset's events (order_events.consumer_dag: dedup, one receipt per order).
+consumer_dag("sqs_orders_eu_consumer", schedule=[orders_eu], sink="sqs_eu", broker="sqs")
+consumer_dag("sqs_orders_us_apac_consumer", schedule=[orders_us_apac], sink="sqs_us_apac", broker="sqs")
+consumer_dag("sqs_orders_big_consumer", schedule=[orders_big], sink="sqs_big", broker="sqs")
 build_orders_spark_pipeline(dag_id="sqs_orders_spark_pipeline", source=orders_valid, dataset="sqs")

@@ -13,6 +13,7 @@ Delivery is **at least once**: a triggerer crash between "event stored" and "off
 redelivers the message, and the watcher fires again. So a consumer Dag deduplicates on
 ``message_id`` (stable across redeliveries) inside its batch and makes its side effects idempotent
 across runs (here: one receipt file per message, created atomically, never overwritten).
+:func:`consumer_dag` is the example Dags' consumer: it does both for the batch of its run.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from airflow.sdk import DAG, Asset
 
 OUTPUT_DIR_ENV = "ORDERS_OUTPUT_DIR"
 BATCH_SIZE_ENV = "ORDERS_BATCH_SIZE"
@@ -129,3 +133,30 @@ def record_receipts(envelopes: Iterable[Mapping[str, Any]], sink: str) -> dict[s
         else:
             counts["new"] += 1
     return counts
+
+
+def consumer_dag(dag_id: str, *, schedule: Sequence[Asset], sink: str, broker: str) -> DAG:
+    """
+    The example consumer Dag: a run each time an asset of ``schedule`` gets events, whose task
+    ``handle_orders`` records every order of the run's batch once (receipts under
+    ``<output>/receipts/<sink>/``, :func:`record_receipts`). Tagged ``shared-stream`` and ``broker``.
+
+    ``max_active_runs=1``: events that arrive while a run is going queue up and land in the next
+    run's batch. A batch may hold a redelivered message (same ``message_id``):
+    :func:`unique_envelopes` keeps one, and the receipts make the side effect idempotent across runs.
+    """
+    # Imported here: this module is also read where only the envelope helpers are wanted.
+    from airflow.sdk import dag, task
+
+    @dag(dag_id=dag_id, schedule=list(schedule), max_active_runs=1, catchup=False, tags=["shared-stream", broker])
+    def consumer() -> None:
+        @task
+        def handle_orders(triggering_asset_events: Any = None) -> dict[str, int]:
+            envelopes = unique_envelopes(triggering_asset_events)
+            for envelope in envelopes:
+                print(f"{envelope['message_id']} attempt={envelope['delivery_attempt']}: {envelope['body']}")
+            return {"events": len(envelopes), **record_receipts(envelopes, sink)}
+
+        handle_orders()
+
+    return consumer()

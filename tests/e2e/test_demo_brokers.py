@@ -1,6 +1,7 @@
 """
-The demo on the other brokers (``python -m devkit.demo --broker sqs|pubsub``), run as a user runs
-it: a local endpoint (moto server / Google's Pub/Sub emulator), a throwaway Airflow, the broker's
+The demo on the other brokers (``python -m devkit.demo --broker sqs|pubsub|servicebus``), run as a
+user runs it: a local endpoint (moto server / Google's Pub/Sub emulator / the wire-level Service Bus
+test broker), a throwaway Airflow, the broker's
 ``example_dags/example_<broker>_orders.py`` with its PySpark pipeline. (The Kafka example Dags
 have their own end-to-end tests.)
 
@@ -22,6 +23,8 @@ from devkit.demo import REPO_ROOT, expected_watchers, sample_orders
 pytestmark = [pytest.mark.e2e, pytest.mark.spark, pytest.mark.timeout(900)]
 
 MESSAGES = 60
+# The scenario's malformed orders: what every broker's demo must dead-letter.
+EXPECTED_DLQ = sum(expected_watchers(message)[1] for message in sample_orders(MESSAGES))
 
 
 @pytest.mark.parametrize(
@@ -30,6 +33,14 @@ MESSAGES = 60
         pytest.param("sqs", 1, "0 still in queue orders", "queue orders-dlq", marks=pytest.mark.sqs),
         # Batch mode through the demo: up to 25 messages per asset event, same outcome per message.
         pytest.param("pubsub", 25, "0 unacked in orders-airflow", "topic orders-dlq", marks=pytest.mark.pubsub),
+        # The wire-level test broker; batches of 10 messages per asset event, settled per message.
+        pytest.param(
+            "servicebus",
+            10,
+            f"{MESSAGES - EXPECTED_DLQ} completed and {EXPECTED_DLQ} dead-lettered from queue orders, 0 still in it",
+            "queue orders/$DeadLetterQueue",
+            marks=pytest.mark.servicebus,
+        ),
     ],
 )
 def test_the_demo_runs_the_example_dags_end_to_end(
