@@ -8,6 +8,10 @@ session Airflow or, for ``"postgres"``, a second one of its own on a throwaway P
 (``devkit.postgres``) with its own Tansu, started for that test and stopped right after it.
 
 ``KAFKA_BOOTSTRAP_SERVERS`` points the suite at an existing broker instead of Tansu.
+
+``STARVE_CPUS`` (an integer or ``all``) runs that many CPU burners at Airflow's priority for the
+whole of each module that uses ``starved_cpus`` (``devkit.stress``; docs/reliability.md, "Starved
+machine").
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +38,7 @@ from devkit.demo import (
     kafka_connection,
 )
 from devkit.postgres import FAST_SETTINGS, PostgresServer
+from devkit.stress import CpuStress, cpu_count, stress_from_env
 from tests.statsd_listener import StatsdListener
 
 E2E_DAGS = Path(__file__).parent / "dags"
@@ -43,6 +49,32 @@ ALL_DAGS = (*CONSUMER_DAGS, "kafka_orders_priority_consumer")
 # The example Dags' helper modules (orders_spark, order_events, order_filters) for in-process tests.
 if str(EXAMPLE_DAGS) not in sys.path:
     sys.path.insert(0, str(EXAMPLE_DAGS))
+
+
+@pytest.fixture(scope="module")
+def starved_cpus() -> Iterator[CpuStress]:
+    """
+    ``STARVE_CPUS`` CPU burners (none when unset) for the whole module that uses it.
+
+    Module-scoped and requested first (``pytest.mark.usefixtures`` in the module's ``pytestmark``),
+    so the burners start before the module's broker and Airflow fixtures and run through their
+    start, the test and their teardown: the Airflow under test starts, restarts and drains on a
+    starved machine. Yields the :class:`devkit.stress.CpuStress` (its ``timeout_factor``).
+    """
+    with stress_from_env() as stress:
+        started = time.monotonic()
+        if stress.workers:
+            print(f"\nSTARVE: {stress.describe()}, pids {stress.pids}", flush=True)
+        yield stress
+        if stress.workers:
+            wall = time.monotonic() - started
+            burned = stress.cpu_seconds()
+            load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+            print(
+                f"\nSTARVE: {stress.workers} burner(s) used {burned:.0f} CPU-s in {wall:.0f} s "
+                f"({burned / max(wall, 1e-9):.2f} of {cpu_count()} cores); load average {load}",
+                flush=True,
+            )
 
 
 @pytest.fixture(scope="session")

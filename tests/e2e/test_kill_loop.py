@@ -52,7 +52,8 @@ from devkit.demo_types import OrderMessage
 from tests.e2e.loop_brokers import CONN_ID, Deliveries, LoopBroker, dag_env, loop_broker
 from tests.slow import slow_asked
 
-pytestmark = [pytest.mark.e2e]
+# ``starved_cpus``: STARVE_CPUS=N runs N CPU burners for the whole module (tests/e2e/conftest.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("starved_cpus")]
 
 E2E_DAGS = Path(__file__).parent / "dags"
 DAG_FILE = E2E_DAGS / "e2e_kill_loop_watchers.py"

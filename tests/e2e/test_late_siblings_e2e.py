@@ -25,7 +25,8 @@ from devkit.brokers import start_moto, stop_moto
 from devkit.demo import build_dags_folder, make_order
 from devkit.demo_streams import MOTO_KEY, SQS_REGION, SqsOrders
 
-pytestmark = [pytest.mark.e2e, pytest.mark.sqs, pytest.mark.timeout(900)]
+# ``starved_cpus``: STARVE_CPUS=N runs N CPU burners for the whole module (tests/e2e/conftest.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.sqs, pytest.mark.timeout(900), pytest.mark.usefixtures("starved_cpus")]
 
 COUNT = 120
 WATCHERS = tuple(f"many_{index:03d}" for index in range(COUNT))
