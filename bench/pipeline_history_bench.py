@@ -12,10 +12,12 @@ For each N the bench writes a history of N orders straight into the pipeline's d
 batches of ``--per-batch`` orders spread over the last ``--days`` days, as the Dag would have left
 them, then times:
 
-* **run**: one ``write_order_batch`` of ``--batch`` new orders of the current hour, half of them
-  redeliveries of orders stored earlier in that hour (they must be dropped: the result is checked);
+* **run**: one ``write_order_batch`` of ``--batch`` messages of the current hour: half of them
+  orders stored earlier in that hour, sent again (every other one a redelivery with the same
+  ``message_id``, the others a second publish with a new one), and a tenth second publishes of
+  the batch's own new orders; every duplicate must be dropped (the result is checked);
 * **whole-history dedup**: the anti-join the pipeline did before ``order_keys`` (every stored
-  ``message_id`` of ``order_lines``), on the same history, for comparison.
+  ``order_id`` of ``order_lines``), on the same history, for comparison.
 
 Each time is the best of ``--repeat`` runs (a retry of the same batch id, which the pipeline
 makes idempotent), after one warm-up run, on a fresh SparkSession per history size.
@@ -73,33 +75,44 @@ def generate_history(base: Path, orders: int, days: int, per_batch: int, now: da
         lines_dir.mkdir(parents=True)
         keys_dir.mkdir(parents=True)
         pq.write_table(lines, lines_dir / "part-0.parquet")
-        pq.write_table(lines.select(["message_id"]), keys_dir / "part-0.parquet")
+        pq.write_table(lines.select(["order_id"]), keys_dir / "part-0.parquet")
     return batches
 
 
 def new_batch(size: int, now: datetime, base: Path, spark: Any) -> tuple[list[dict[str, Any]], int]:
     """
-    ``size`` rows of ``now``'s hour; the first half is stored first by an earlier batch of the same
-    hour, so in the measured run they are redeliveries it must drop. Returns the rows and how many
-    are new.
+    ``size`` rows of ``now``'s hour. The orders of the first half are stored first by an earlier
+    batch of the same hour; in the measured run every other one is a redelivery (same message id),
+    the others a second publish (new message id, same order). The last tenth are second publishes
+    of the batch's first new orders. Returns the rows and how many are new.
     """
     minute = now.strftime("%Y-%m-%dT%H:%M")
-    rows = [
-        {"message_id": f"new-{i}", "order_id": f"o-new-{i}", "region": "eu", "amount": 1.25, "minute": minute}
-        for i in range(size)
-    ]
-    write_order_batch(spark, rows[: size // 2], str(base), "earlier_this_hour")
-    return rows, size - size // 2
+
+    def row(message_id: str, order: int) -> dict[str, Any]:
+        return {
+            "message_id": message_id,
+            "order_id": f"o-new-{order}",
+            "region": "eu",
+            "amount": 1.25,
+            "minute": minute,
+        }
+
+    stored, repeats = size // 2, size // 10
+    write_order_batch(spark, [row(f"new-{i}", i) for i in range(stored)], str(base), "earlier_this_hour")
+    rows = [row(f"new-{i}" if i % 2 == 0 else f"new-{i}-again", i) for i in range(stored)]
+    rows += [row(f"new-{i}", i) for i in range(stored, size - repeats)]
+    rows += [row(f"new-{i}-again", i) for i in range(stored, stored + repeats)]
+    return rows, size - stored - repeats
 
 
 def whole_history_dedup(spark: Any, base: Path, rows: list[dict[str, Any]]) -> int:
-    """The anti-join against every stored ``message_id`` (what the pipeline did before order_keys)."""
+    """The anti-join against every stored ``order_id`` (what the pipeline did before order_keys)."""
     from pyspark.sql import functions as F  # noqa: N812
 
-    batch = spark.createDataFrame([(r["message_id"],) for r in rows], "message_id string")
+    batch = spark.createDataFrame([(r["order_id"],) for r in rows], "order_id string")
     stored = spark.read.parquet(str(base / "order_lines"))
-    earlier = stored.where(F.col("batch_id") != F.lit("measured")).select("message_id")
-    return int(batch.join(earlier, on="message_id", how="left_anti").count())
+    earlier = stored.where(F.col("batch_id") != F.lit("measured")).select("order_id")
+    return int(batch.join(earlier, on="order_id", how="left_anti").count())
 
 
 def measure(history: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -126,8 +139,8 @@ def measure(history: int, args: argparse.Namespace) -> dict[str, Any]:
             started = time.monotonic()
             result = write_order_batch(spark, rows, str(base), "measured")
             runs.append(time.monotonic() - started)
-        if result["new"] != expected_new:
-            raise AssertionError(f"expected {expected_new} new orders, the run stored {result['new']}: {result}")
+        if (result["new"], result["duplicates"]) != (expected_new, len(rows) - expected_new):
+            raise AssertionError(f"expected {expected_new} new orders of {len(rows)}, the run stored: {result}")
         full: list[float] = []
         for _ in range(args.repeat + 1):
             started = time.monotonic()

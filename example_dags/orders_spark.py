@@ -3,26 +3,39 @@ The orders data pipeline on Spark (PySpark), fed by a shared-stream asset.
 
 :func:`build_orders_spark_pipeline` builds an asset-scheduled Dag:
 
-1. ``extract`` (plain ``@task``) reads the run's ``triggering_asset_events``, deduplicates them on
-   ``message_id`` and turns the envelopes into order rows (pure Python, small: the XCom is the batch);
-2. ``aggregate`` (``@task.pyspark``) makes a DataFrame of the rows, drops every ``message_id``
+1. ``extract`` (plain ``@task``) reads the run's ``triggering_asset_events`` (deduplicated on
+   ``message_id``, in message order) and turns the envelopes into order rows, one per ``order_id``
+   (pure Python, small: the XCom is the batch);
+2. ``aggregate`` (``@task.pyspark``) makes a DataFrame of the rows, drops every ``order_id``
    already stored by an earlier run, appends the new rows to the ``order_lines`` Parquet dataset,
    their keys to ``order_keys`` and their revenue per region and minute to
    ``revenue_by_region_minute``.
 
-Idempotency (a re-run, a retry or a redelivered message never double-counts):
+Idempotency (a re-run, a retry, a redelivered message or an order published twice never
+double-counts). The idempotency key is the business key ``order_id``, not the ``message_id``: a
+message redelivered by the broker (triggerer crash before the offset commit) keeps its message id,
+but a publisher that retries a send publishes the same order (same ``order_id``, body and
+``created_at``) as a second message with a new id. Both copies carry the same ``order_id``.
 
+* inside a batch, the first envelope of an order (in message order) is kept, the others dropped;
 * every dataset is partitioned by ``batch_id`` (the Dag run id) and written with **dynamic
   partition overwrite**: a retry of a run rewrites its own partitions instead of appending again;
-* the ``message_id``\\ s stored by *other* batches are anti-joined away before writing, so a message
-  delivered twice (triggerer crash before the offset commit) is counted in the first batch only;
+* the ``order_id``\\ s stored by *other* batches are anti-joined away before writing, so an order
+  delivered or published twice is counted in the first batch only;
 * ``max_active_runs=1``: batches are written one at a time.
 
-The dedup reads only ``order_keys`` (``message_id`` alone), and only the hours this batch's orders
-belong to (``key_hour`` partitions, from the order's minute): a redelivered message carries the
-same body and publish time, so its key is in the same hour as the first copy's. One run's cost
-therefore follows the orders of an hour, not the table's whole history (measured by
-``bench/pipeline_history_bench.py``, docs/spark.md).
+``order_lines`` keeps the ``message_id`` of the envelope each row came from. The dedup reads only
+``order_keys`` (``order_id`` alone), and only the hours this batch's orders belong to
+(``key_hour`` partitions, from the order's minute): a redelivered message and a second publish of
+an order carry the same ``created_at``, so their key is in the same hour as the first copy's. One
+run's cost therefore follows the orders of an hour, not the table's whole history (measured by
+``bench/pipeline_history_bench.py``, docs/spark.md). An order without ``created_at`` has its
+publish time as minute: a redelivery has the same, a second publish a later one, so such a
+duplicate is caught only when both publishes fall in the same hour.
+
+``order_keys`` written before the key was ``order_id`` hold ``message_id``\\ s: a run that meets
+such an hour raises :class:`LegacyOrderKeysError` rather than miss duplicates; rewrite the keys
+once with :func:`rebuild_order_keys`.
 
 Spark: ``local[*]`` by default. When the ``ORDERS_SPARK_CONN_ID`` environment variable (read where
 the Dag file is parsed) names an Airflow connection, its host says where the job runs (``local[2]``,
@@ -70,19 +83,29 @@ def order_minute(envelope: Mapping[str, Any]) -> str:
 
 
 def order_rows(envelopes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Well-formed orders as flat rows (malformed ones are skipped: the watcher already dead-lettered them)."""
+    """
+    Well-formed orders as flat rows, one per ``order_id`` (malformed ones are skipped: the watcher
+    already dead-lettered them).
+
+    The first envelope of an order in ``envelopes``' order wins (``extract`` passes them in
+    message order, see ``order_events.unique_envelopes``, so a retry of a run keeps the same one);
+    a later one with the same ``order_id`` is the same message redelivered or the same order
+    published again, and is dropped.
+    """
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     for envelope in envelopes:
-        message_id = str(envelope.get("message_id"))
-        if message_id in seen or order_problem(envelope) is not None:
+        if order_problem(envelope) is not None:
             continue
-        seen.add(message_id)
         body = envelope["body"]
+        order_id = str(body["order_id"])
+        if order_id in seen:
+            continue
+        seen.add(order_id)
         rows.append(
             {
-                "message_id": message_id,
-                "order_id": str(body["order_id"]),
+                "message_id": str(envelope.get("message_id")),
+                "order_id": order_id,
                 "region": str(body["region"]),
                 "amount": float(body["amount"]),
                 "minute": order_minute(envelope),
@@ -110,6 +133,22 @@ def _stored(spark: SparkSession, path: str) -> DataFrame | None:
     return stored
 
 
+def first_per_order(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The first row of each ``order_id``, in the rows' order (``order_rows`` already gives one per order)."""
+    unique: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        unique.setdefault(str(row["order_id"]), dict(row))
+    return list(unique.values())
+
+
+class LegacyOrderKeysError(RuntimeError):
+    """
+    An ``order_keys`` hour holds no ``order_id`` column: it was written when the key was the
+    ``message_id``. Deduplicating against it would let every second publish of its orders through,
+    so the run stops before writing anything; :func:`rebuild_order_keys` rewrites the keys once.
+    """
+
+
 def key_hour(minute: str) -> str:
     """The ``order_keys`` partition of an order: the hour of its minute (``YYYY-MM-DDTHH``)."""
     return minute[:13]
@@ -117,7 +156,7 @@ def key_hour(minute: str) -> str:
 
 def _keys_of_other_batches(spark: SparkSession, keys_path: str, hours: list[str], batch_id: str) -> DataFrame | None:
     """
-    The ``message_id``\\ s other batches stored in ``hours`` (None when there are none yet).
+    The ``order_id``\\ s other batches stored in ``hours`` (None when there are none yet).
 
     Each hour's directory is read as its own dataset: reading ``order_keys`` whole and filtering on
     ``key_hour`` would prune the files Spark reads but still list every partition of the history.
@@ -126,18 +165,25 @@ def _keys_of_other_batches(spark: SparkSession, keys_path: str, hours: list[str]
 
     earlier: DataFrame | None = None
     for hour in hours:
-        stored = _stored(spark, f"{keys_path}/key_hour={hour}")
+        path = f"{keys_path}/key_hour={hour}"
+        stored = _stored(spark, path)
         if stored is None:
             continue
-        ids = stored.where(F.col("batch_id") != F.lit(batch_id)).select("message_id")
+        if "order_id" not in stored.columns:
+            raise LegacyOrderKeysError(
+                f"{path} holds message_id keys (written before the key was order_id): "
+                "run orders_spark.rebuild_order_keys(spark, <output>) once"
+            )
+        ids = stored.where(F.col("batch_id") != F.lit(batch_id)).select("order_id")
         earlier = ids if earlier is None else earlier.unionByName(ids)
     return earlier
 
 
 def write_order_batch(spark: SparkSession, rows: list[dict[str, Any]], base_path: str, batch_id: str) -> dict[str, Any]:
     """
-    Append one batch of order rows to ``<base>/order_lines`` and its aggregates to
-    ``<base>/revenue_by_region_minute``, idempotently (see the module docstring).
+    Append one batch of order rows to ``<base>/order_lines`` (one per ``order_id`` not stored by
+    another batch) and its aggregates to ``<base>/revenue_by_region_minute``, idempotently (see the
+    module docstring).
     """
     from pyspark.sql import functions as F  # noqa: N812 - the PySpark convention
     from pyspark.sql.types import DoubleType, StringType, StructField, StructType
@@ -156,13 +202,16 @@ def write_order_batch(spark: SparkSession, rows: list[dict[str, Any]], base_path
     revenue_path = f"{base_path.rstrip('/')}/revenue_by_region_minute"
     spark.conf.set("spark.sql.sources.partitionOverwriteMode", "dynamic")
 
-    batch = spark.createDataFrame([tuple(row[c] for c in ORDER_COLUMNS) for row in rows], schema)
-    batch = batch.dropDuplicates(["message_id"])
-    earlier = _keys_of_other_batches(spark, keys_path, sorted({key_hour(row["minute"]) for row in rows}), batch_id)
+    # One row per order, the first in the batch's (message) order: deterministic, so a retry of
+    # the run keeps the same message_id (Spark's dropDuplicates would keep an arbitrary one).
+    unique = first_per_order(rows)
+    batch = spark.createDataFrame([tuple(row[c] for c in ORDER_COLUMNS) for row in unique], schema)
+    earlier = _keys_of_other_batches(spark, keys_path, sorted({key_hour(row["minute"]) for row in unique}), batch_id)
     if earlier is not None:
-        # Everything other batches already counted; this batch's own keys are excluded so a
-        # retry of the same run recomputes the same rows and overwrites them.
-        batch = batch.join(earlier, on="message_id", how="left_anti")
+        # Every order other batches already counted; this batch's own keys are excluded so a
+        # retry of the same run recomputes the same rows and overwrites them. The join puts its
+        # key first: back to the schema's column order, as the rows are re-read by position.
+        batch = batch.join(earlier, on="order_id", how="left_anti").select(*ORDER_COLUMNS)
     # Materialize the (small) batch: the write below replaces files of the dataset it was read
     # from, and Spark refuses to overwrite a path the same plan reads.
     new_rows = batch.collect()
@@ -171,16 +220,16 @@ def write_order_batch(spark: SparkSession, rows: list[dict[str, Any]], base_path
         return {"batch_id": batch_id, "received": received, "new": 0, "duplicates": received, "groups": 0}
     fresh = spark.createDataFrame(new_rows, schema).withColumn("batch_id", F.lit(batch_id))
     fresh.coalesce(1).write.mode("overwrite").partitionBy("batch_id").parquet(lines_path)
-    # The keys last: a run that fails before this line left no key behind, so its retry (same
-    # batch_id) and any later batch still count its orders exactly once.
-    keys = fresh.select("message_id", F.substring("minute", 1, 13).alias("key_hour"), "batch_id")
-    keys.coalesce(1).write.mode("overwrite").partitionBy("key_hour", "batch_id").parquet(keys_path)
     revenue = (
         fresh.groupBy("batch_id", "region", "minute")
         .agg(F.count("*").alias("orders"), F.round(F.sum("amount"), 2).alias("revenue"))
         .coalesce(1)
     )
     revenue.write.mode("overwrite").partitionBy("batch_id").parquet(revenue_path)
+    # The keys last: a run that fails before this line left no key behind, so its retry (same
+    # batch_id) and any later batch still count its orders exactly once (with the keys written
+    # before the revenue, a run failing in between would leave orders keyed but never counted).
+    _keys_of(fresh).coalesce(1).write.mode("overwrite").partitionBy("key_hour", "batch_id").parquet(keys_path)
     return {
         "batch_id": batch_id,
         "received": received,
@@ -188,6 +237,34 @@ def write_order_batch(spark: SparkSession, rows: list[dict[str, Any]], base_path
         "duplicates": received - len(new_rows),
         "groups": revenue.count(),
     }
+
+
+def _keys_of(lines: DataFrame) -> DataFrame:
+    """The ``order_keys`` rows of ``order_lines`` rows: ``order_id`` by ``key_hour`` and ``batch_id``."""
+    from pyspark.sql import functions as F  # noqa: N812
+
+    return lines.select("order_id", F.substring("minute", 1, 13).alias("key_hour"), "batch_id")
+
+
+def rebuild_order_keys(spark: SparkSession, base_path: str) -> int:
+    """
+    Rewrite ``<base>/order_keys`` from ``<base>/order_lines`` (every stored order's ``order_id``,
+    same layout as the pipeline writes), e.g. once for an output whose keys are ``message_id``\\ s
+    (:class:`LegacyOrderKeysError`). Reads the whole history, so run it between pipeline runs, not
+    in one. Each ``key_hour`` x ``batch_id`` partition is overwritten; returns the number of keys.
+    """
+    lines_path = f"{base_path.rstrip('/')}/order_lines"
+    keys_path = f"{base_path.rstrip('/')}/order_keys"
+    stored = _stored(spark, lines_path)
+    if stored is None:
+        return 0
+    spark.conf.set("spark.sql.sources.partitionOverwriteMode", "dynamic")
+    # Dynamic overwrite replaces exactly the partitions written here, and every keys partition has
+    # its lines (a run writes its keys after its lines), so no old key file survives. One file per
+    # partition, as a run leaves it.
+    keys = _keys_of(stored).repartition("key_hour", "batch_id")
+    keys.write.mode("overwrite").partitionBy("key_hour", "batch_id").parquet(keys_path)
+    return int(spark.read.parquet(keys_path).count())
 
 
 def revenue_totals(spark: SparkSession, base_path: str) -> list[dict[str, Any]]:

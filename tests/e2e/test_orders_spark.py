@@ -1,6 +1,7 @@
 """
 The PySpark pipeline's batch logic on a real local SparkSession (no Airflow): idempotent re-runs,
-duplicates across batches, and the aggregates.
+duplicates (a redelivered message, an order published twice) inside and across batches, and the
+aggregates.
 """
 
 from __future__ import annotations
@@ -116,3 +117,90 @@ def test_the_dedup_reads_only_the_hours_of_its_own_orders(spark: Any, tmp_path: 
         part.write_bytes(b"not parquet: reading this hour would fail the run")
     result = write_order_batch(spark, order_rows([at("e", 12)]), str(tmp_path), "run_3")
     assert (result["new"], result["duplicates"]) == (1, 0)
+
+
+def published_again(first: dict[str, Any], message_id: str) -> dict[str, Any]:
+    """The same order sent again by a retrying publisher: same body (order_id, created_at), new message id."""
+    return {**first, "message_id": message_id, "body": dict(first["body"])}
+
+
+def lines(spark: Any, base: Path) -> list[tuple[str, str, str]]:
+    stored = spark.read.parquet(str(base / "order_lines")).collect()
+    return sorted((r["order_id"], r["message_id"], r["batch_id"]) for r in stored)
+
+
+def test_order_rows_keep_the_first_envelope_of_an_order_in_message_order() -> None:
+    from order_events import unique_envelopes
+    from orders_spark import order_rows
+
+    first = {**envelope("orders/0/5", "eu", 10), "source": "orders", "metadata": {"partition": 0, "offset": 5}}
+    again = {**published_again(first, "orders/0/9"), "metadata": {"partition": 0, "offset": 9}}
+    # The second publish arrives first in the events; message order (the offsets) decides.
+    events = {"asset": [{"extra": {"from_trigger": True, "payload": e}} for e in (again, first, first)]}
+    rows = order_rows(unique_envelopes(events))
+    assert [(r["order_id"], r["message_id"]) for r in rows] == [("o-orders/0/5", "orders/0/5")]
+
+
+def test_an_order_published_twice_is_stored_once(spark: Any, tmp_path: Path) -> None:
+    """
+    A retrying publisher's second copy of an order (new message id, same order) is dropped in the
+    batch of the first copy and in a later batch alike; a redelivery still is; a retried run still
+    rewrites its own partition. Revenue counts each order once.
+    """
+    from orders_spark import order_rows, write_order_batch
+
+    a, b = envelope("t/0/1", "eu", 10.5), envelope("t/0/2", "us", 4.0)
+    first = order_rows([a, published_again(a, "t/0/3"), b])
+    assert [r["message_id"] for r in first] == ["t/0/1", "t/0/2"]
+    # Rows handed over as they are (e.g. by another extract) are deduplicated on order_id too.
+    result = write_order_batch(spark, [*first, {**first[0], "message_id": "t/0/3"}], str(tmp_path), "run_1")
+    assert result == {"batch_id": "run_1", "received": 3, "new": 2, "duplicates": 1, "groups": 2}
+    expected = {("eu", "2026-01-01T12:00"): (1, 10.5), ("us", "2026-01-01T12:00"): (1, 4.0)}
+    assert totals(spark, tmp_path) == expected
+    assert lines(spark, tmp_path) == [("o-t/0/1", "t/0/1", "run_1"), ("o-t/0/2", "t/0/2", "run_1")]
+
+    # The next batch: a in a third message, b redelivered (same message id), and a new order c.
+    c = envelope("t/1/1", "apac", 7.25, 1)
+    second = order_rows([published_again(a, "t/1/7"), b, c])
+    result = write_order_batch(spark, second, str(tmp_path), "run_2")
+    assert (result["new"], result["duplicates"]) == (1, 2)
+    expected[("apac", "2026-01-01T12:01")] = (1, 7.25)
+    assert totals(spark, tmp_path) == expected
+    # A retry of run_2 rewrites its partition: still one row per order.
+    again = write_order_batch(spark, second, str(tmp_path), "run_2")
+    assert (again["new"], again["duplicates"]) == (1, 2)
+    assert totals(spark, tmp_path) == expected
+    assert lines(spark, tmp_path) == [
+        ("o-t/0/1", "t/0/1", "run_1"),
+        ("o-t/0/2", "t/0/2", "run_1"),
+        ("o-t/1/1", "t/1/1", "run_2"),
+    ]
+
+
+def test_message_id_keys_stop_the_run_until_rebuilt(spark: Any, tmp_path: Path) -> None:
+    """
+    An ``order_keys`` hour written when the key was the message id cannot catch a second publish:
+    the run refuses it (writing nothing), and once rebuilt from order_lines the duplicate is dropped.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from orders_spark import LegacyOrderKeysError, order_rows, rebuild_order_keys, write_order_batch
+
+    a = envelope("t/0/1", "eu", 10.5)
+    write_order_batch(spark, order_rows([a]), str(tmp_path), "run_1")
+    # What the pipeline wrote before this change: the partition's keys are message ids.
+    [part] = (tmp_path / "order_keys").rglob("*.parquet")
+    for old in part.parent.iterdir():
+        old.unlink()
+    pq.write_table(pa.table({"message_id": ["t/0/1"]}), part.parent / "part-legacy.parquet")
+
+    second = order_rows([published_again(a, "t/0/9")])
+    with pytest.raises(LegacyOrderKeysError, match="key_hour=2026-01-01T12"):
+        write_order_batch(spark, second, str(tmp_path), "run_2")
+    assert lines(spark, tmp_path) == [("o-t/0/1", "t/0/1", "run_1")]
+
+    assert rebuild_order_keys(spark, str(tmp_path)) == 1
+    assert pq.read_table(part.parent).column_names == ["order_id"]
+    result = write_order_batch(spark, second, str(tmp_path), "run_2")
+    assert (result["new"], result["duplicates"]) == (0, 1)
+    assert totals(spark, tmp_path) == {("eu", "2026-01-01T12:00"): (1, 10.5)}
