@@ -75,6 +75,15 @@ client; see :mod:`~airflow_shared_stream_provider.producers.servicebus_sessions`
 * close: resolved outcomes are settled, then every session receiver is closed (which releases
   the unsettled messages without counting a delivery, so they are not abandoned one by one).
 
+Prefetch within the byte budget: ``prefetch_count`` is an upper limit. The SDK buffers that many
+messages per receiver outside the watchers' credit and fixes the number when the receiver is
+created, so the producer sizes it once, for the worst case, when its first receiver attaches: at
+most as many messages of the entity's maximum size (announced by the broker on the link) as fit
+half of ``max_in_flight_bytes``, shared by the receivers held at once (:meth:`_fit_prefetch`).
+When that lowers it, the just-attached receiver (no link credit granted yet, so nothing received,
+locked or buffered) is closed and created again with the lower prefetch; a receiver that has
+received is never re-created.
+
 Prefetched messages whose lock already expired in the SDK's buffer (watchers were slow to give
 credit) are skipped, never broadcast (``stale_skipped``): the broker redelivers them.
 """
@@ -103,7 +112,7 @@ from airflow_shared_stream_provider._core.errors import (
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.logsafe import log_safe
-from airflow_shared_stream_provider._core.producer import Decided, SharedStreamProducerBase
+from airflow_shared_stream_provider._core.producer import HELD_OVERHEAD, Decided, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.tasks import best_effort, close_quietly, first_of
 from airflow_shared_stream_provider.producers.servicebus_owner import OwnerQueue
 from airflow_shared_stream_provider.producers.servicebus_sessions import CreditPool, SessionPool, SessionReceiver
@@ -117,6 +126,8 @@ from airflow_shared_stream_provider.producers.servicebus_types import (
     ServiceBusReceivedMessage,
     ServiceBusReceiveMode,
     ServiceBusReceiver,
+    announced_max_message_size,
+    budget_prefetch,
     envelope_fields,
     errors,
     lock_seconds_left,
@@ -174,6 +185,11 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
             settle_one=self._settle_one, renew_now=self._renew_now, concurrency=SETTLE_CONCURRENCY
         )
         self._closing = False
+        # The prefetch each receiver is created with: ``prefetch_count``, lowered once the entity's
+        # maximum message size is known so that the SDK buffers stay within the byte budget
+        # (:meth:`_fit_prefetch`).
+        self.prefetch: int = settings.prefetch_count
+        self._prefetch_fitted = False
         self.close_timeout = CLOSE_TIMEOUT
         self.busy_wait = BUSY_WAIT
 
@@ -207,7 +223,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         settings = self.settings
         common: dict[str, Any] = {
             "receive_mode": ServiceBusReceiveMode.PEEK_LOCK,
-            "prefetch_count": settings.prefetch_count,
+            "prefetch_count": self.prefetch,
             "max_wait_time": settings.max_wait_time,
             **options,
         }
@@ -263,6 +279,17 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
 
     async def _open(self) -> ServiceBusReceiver:
         where = await self._connect()
+        receiver = await self._open_receiver(where)
+        if self._fit_prefetch(receiver):
+            # Re-created with the lower prefetch before its first receive call: the SDK issues link
+            # credit only on that call (its link attaches with credit 0), so this receiver holds
+            # no message, locked or buffered, and closing it settles and releases nothing.
+            self._receiver = None
+            await close_quietly(receiver, log=self.log, where=self.entity_path)
+            receiver = await self._open_receiver(where)
+        return receiver
+
+    async def _open_receiver(self, where: str) -> ServiceBusReceiver:
         assert self._client is not None
         receiver = self._receiver = self._make_receiver(self._client)
         try:
@@ -274,6 +301,59 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
             raise
         self.counters.add("api_calls")
         return receiver
+
+    def _fit_prefetch(self, receiver: ServiceBusReceiver) -> bool:
+        """
+        Keep the SDK's prefetch within the byte budget; True when ``receiver`` (just attached, not
+        received from) must be re-created with the lower :attr:`prefetch`.
+
+        Rule (once per producer, on the first receiver's attach): each of the receivers held at
+        once (one, or ``max_concurrent_sessions``) prefetches at most as many maximum-size messages
+        as fit half of ``max_in_flight_bytes`` (the share the flow gate reserves for SDK buffers),
+        and at most ``prefetch_count``. The maximum is the entity's, as the broker announces it on
+        the link's attach, or :attr:`max_message_bytes` (Premium's 100 MB) when it announces none.
+        A message can never be larger than that maximum, so the buffers never hold more than their
+        share, whatever the message sizes, and a receiver never has to be re-created after it
+        received (re-creating would strand the locks of what it holds); the price is a smaller
+        prefetch for small messages on an entity with a large maximum.
+        """
+        if self._prefetch_fitted:
+            return False
+        self._prefetch_fitted = True
+        settings = self.settings
+        announced = announced_max_message_size(receiver)
+        largest = announced if announced is not None else self.max_message_bytes
+        # What the gate counts for one such message (producer.hold: body, envelope copy, overhead).
+        held = largest + min(largest, self.max_envelope_bytes) + HELD_OVERHEAD
+        receivers = settings.max_concurrent_sessions if settings.sessions else 1
+        fitted = budget_prefetch(
+            ceiling=settings.prefetch_count,
+            budget_bytes=settings.max_in_flight_bytes,
+            receivers=receivers,
+            message_bytes=held,
+        )
+        if fitted >= self.prefetch:
+            return False
+        self.log.info(
+            "%s: prefetch_count lowered from %d to %d per receiver: %d receiver(s) x %d prefetched message(s) "
+            "of up to %d bytes (%s; %d bytes held each) must fit half of max_in_flight_bytes=%d",
+            self.entity_path,
+            self.prefetch,
+            fitted,
+            receivers,
+            fitted,
+            largest,
+            "the entity's maximum message size" if announced is not None else "no maximum announced: Premium's",
+            held,
+            settings.max_in_flight_bytes,
+        )
+        self.prefetch = fitted
+        gate = self.gate
+        gate.buffered_messages = self.sdk_buffered_messages()
+        # The first receive is sized at the maximum too (as the gate does for brokers that do not
+        # prefetch): with the buffer bounded, what that receive asks for is what it brings.
+        gate.expect_size(held)
+        return True
 
     # -- stream --------------------------------------------------------------------------------
     async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
@@ -345,10 +425,10 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                 )
 
     def sdk_buffered_messages(self) -> int:
-        """The SDK's prefetch, per receiver: one, or one per session held at once."""
+        """The SDK's prefetch (:attr:`prefetch`), per receiver: one, or one per session held at once."""
         settings = self.settings
         receivers = settings.max_concurrent_sessions if settings.sessions else 1
-        return settings.prefetch_count * receivers
+        return self.prefetch * receivers
 
     def lane_of(self, broker_payload: Any) -> Hashable:
         return broker_payload.lane  # type: ignore[no-any-return]
@@ -388,6 +468,16 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
 
     async def _accept_session(self, where: str) -> ServiceBusReceiver:
         """Open a receiver on the next available session; closed again if that fails."""
+        receiver = await self._accept_one_session(where)
+        if self._fit_prefetch(receiver):
+            # As in _open: nothing was received on it yet; closing it releases the session, and the
+            # next accept (maybe of another session) gets the lower prefetch. Later session
+            # receivers are created with it from the start.
+            await close_quietly(receiver, log=self.log, where=self.entity_path)
+            receiver = await self._accept_one_session(where)
+        return receiver
+
+    async def _accept_one_session(self, where: str) -> ServiceBusReceiver:
         assert self._client is not None
         receiver = self._make_session_receiver(self._client)
         try:

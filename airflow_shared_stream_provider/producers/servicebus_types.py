@@ -41,6 +41,8 @@ __all__ = [
     "ServiceBusReceivedMessage",
     "ServiceBusReceiver",
     "SessionLane",
+    "announced_max_message_size",
+    "budget_prefetch",
     "envelope_fields",
     "errors",
     "lock_seconds_left",
@@ -102,6 +104,37 @@ def lock_seconds_left(message: ServiceBusReceivedMessage, now: datetime | None =
     return seconds_until(message.locked_until_utc, now) or 0.0
 
 
+# -- prefetch within the byte budget ---------------------------------------------------------------
+def budget_prefetch(*, ceiling: int, budget_bytes: int, receivers: int, message_bytes: int) -> int:
+    """
+    The prefetch each of ``receivers`` receivers may have so that all their SDK buffers, full of
+    messages that each hold ``message_bytes`` (the held size of a maximum-size message), fit half
+    the byte budget: ``receivers x prefetch x message_bytes <= budget_bytes // 2``; at most
+    ``ceiling`` (the user's ``prefetch_count``), at least 0.
+
+    Half, because that is what the flow gate reserves for an SDK buffer at most
+    (:meth:`~airflow_shared_stream_provider._core.flow.FlowGate.byte_credit`): the other half is
+    what the producer itself holds, so buffer + held stay within the budget (plus one message).
+    """
+    if message_bytes <= 0:
+        return ceiling
+    return max(0, min(ceiling, (budget_bytes // 2) // (max(1, receivers) * message_bytes)))
+
+
+def announced_max_message_size(receiver: ServiceBusReceiver) -> int | None:
+    """
+    The entity's maximum message size as the broker announced it when the receiver's link attached
+    (``max-message-size`` of its AMQP attach); None when it announced none (0 means "no limit" in
+    AMQP) or the SDK does not expose it. Read through the SDK's transport, the way its own sender
+    reads the limit for batches (``get_remote_max_message_size``).
+    """
+    try:
+        size = receiver._amqp_transport.get_remote_max_message_size(receiver._handler)  # type: ignore[no-untyped-call]
+    except Exception:  # an SDK without the attribute, a fake receiver, a link not attached
+        return None
+    return size if isinstance(size, int) and size > 0 else None
+
+
 # -- receiving -------------------------------------------------------------------------------------
 async def receive_batch(
     receiver: ServiceBusReceiver,
@@ -120,9 +153,15 @@ async def receive_batch(
     served from the SDK's buffer and sent no AMQP frame, so it is not counted as an API call.
     """
     batch = await receiver.receive_messages(max_message_count=count, max_wait_time=wait)
-    if not busy or settings.prefetch_count == 0 or batch:
+    if not busy or receiver_prefetch(receiver, settings) == 0 or batch:
         counters.add("api_calls")
     return batch
+
+
+def receiver_prefetch(receiver: ServiceBusReceiver, settings: ServiceBusStreamSettings) -> int:
+    """The prefetch the receiver was created with (the producer may lower ``prefetch_count``)."""
+    prefetch = getattr(receiver, "_prefetch_count", None)
+    return prefetch if isinstance(prefetch, int) else settings.prefetch_count
 
 
 # -- message -> envelope ---------------------------------------------------------------------------

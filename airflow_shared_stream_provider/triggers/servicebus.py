@@ -23,7 +23,8 @@ Options (all part of the shared-stream key) and their defaults:
 ===========================  ===========  ==========================================================
 option                       default      meaning
 ===========================  ===========  ==========================================================
-``prefetch_count``           100          messages the SDK buffers ahead of a receive call (locked)
+``prefetch_count``           100          most messages the SDK buffers ahead of a receive call (locked);
+                                         lowered to fit the byte budget (see below)
 ``max_message_count``        100          most messages one ``receive_messages`` call returns
 ``max_wait_time``            5.0          seconds a receive call waits for the first message
 ``renew_locks``              True         renew locks of messages (or sessions) still being worked on
@@ -184,8 +185,17 @@ class ServiceBusSharedStreamTrigger(SharedStreamTrigger):
     :param max_delivery_attempts: poison cap: a failed message whose ``delivery_count + 1`` reached
         it is dead-lettered instead of abandoned (default 5; None leaves it to the entity's
         ``MaxDeliveryCount``).
-    :param prefetch_count: messages the SDK receives ahead of a call (default 100; 0 = none). They
-        are locked while buffered: keep it well below what the group handles in one lock duration.
+    :param prefetch_count: most messages the SDK receives ahead of a call (default 100; 0 = none).
+        They are locked while buffered: keep it well below what the group handles in one lock
+        duration. It is an upper limit: the producer lowers it so that the SDK buffers of all its
+        receivers (one, or ``max_concurrent_sessions``), full of messages of the entity's maximum
+        size (as the broker announces it on the link; 100 MB when it announces none), fit half of
+        ``max_in_flight_bytes``: ``min(prefetch_count, (max_in_flight_bytes // 2) // (receivers x
+        held size of a maximum-size message))``, the held size being the body, the envelope's copy
+        (up to ``max_payload_bytes``) and 1 KiB. Decided once, when the first receiver attaches (the
+        receiver is then re-created before its first receive, holding nothing), and logged at INFO
+        when lowered. Default budget: 100 on a Standard entity (256 KiB), 7 for 4 MiB, 0 for
+        100 MB entities.
     :param max_message_count: most messages one receive call returns (default 100).
     :param max_wait_time: seconds one receive call waits for a first message (default 5.0).
     :param renew_locks: renew the locks of messages watchers still work on, up to the triggerer's
