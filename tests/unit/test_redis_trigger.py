@@ -12,7 +12,6 @@ import pytest
 
 from airflow_shared_stream_provider import SharedStreamConfigError
 from airflow_shared_stream_provider.triggers.redis import RedisSharedStreamTrigger, RedisStreamSettings
-from tests.stream_keys import assert_every_setting_reaches_the_key
 
 BASE: dict[str, Any] = {"stream": "orders", "redis_conn_id": "redis_prod"}
 
@@ -22,33 +21,6 @@ class EuOnlyTrigger(RedisSharedStreamTrigger):
 
     def accept(self, envelope: Any) -> bool:
         return bool(envelope["body"].get("region") == "eu")
-
-
-_ALTERNATIVES: dict[str, Any] = {
-    "stream": "refunds",
-    "redis_conn_id": "redis_other",
-    "group": "other-group",
-    "dead_letter_stream": "orders:dead-letter",
-    "dead_letter_maxlen": 1000,
-    "body_field": "payload",
-    "create_group": False,
-    "group_start_id": "$",
-    "claim_idle": 60,
-    "block": 5.0,
-    "read_count": 500,
-    "hold_backoff": 3,
-    "max_payload_bytes": 4096,
-    "oversize_policy": "truncate",
-    "max_delivery_attempts": 9,
-    "max_in_flight": 5,
-    "max_in_flight_bytes": 8 * 1024 * 1024,
-    "batch_size": 100,
-    "batch_timeout": 2.0,
-}
-
-
-def test_every_producer_setting_is_in_the_key() -> None:
-    assert_every_setting_reaches_the_key(RedisSharedStreamTrigger, BASE, _ALTERNATIVES)
 
 
 def test_the_key_covers_every_field_the_producer_reads() -> None:

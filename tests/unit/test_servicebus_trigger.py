@@ -7,7 +7,6 @@ no sleeps beyond event-loop turns); the wire-level behaviour is in tests/integra
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import subprocess
 import sys
@@ -42,53 +41,6 @@ CONN_STR = (
 
 
 # -- settings, key, serialization --------------------------------------------------------------------
-ALTERNATIVES: dict[str, Any] = {
-    "max_payload_bytes": 4096,
-    "oversize_policy": "truncate",
-    "max_delivery_attempts": 9,
-    "max_in_flight": 50,
-    "max_in_flight_bytes": 8 * 1024 * 1024,
-    "batch_size": 100,
-    "batch_timeout": 2.0,
-    "queue_name": "other-queue",
-    "topic_name": None,  # covered by the topic/subscription pair below
-    "subscription_name": None,
-    "azure_service_bus_conn_id": "other_conn",
-    "prefetch_count": 0,
-    "max_message_count": 10,
-    "max_wait_time": 1.5,
-    "renew_locks": False,
-    "sessions": True,
-    "max_concurrent_sessions": 3,
-    "session_idle_timeout": 0.5,
-}
-PREREQUISITES: dict[str, dict[str, Any]] = {
-    # Session options are refused without sessions=True: compare against a session stream.
-    "max_concurrent_sessions": {"sessions": True},
-    "session_idle_timeout": {"sessions": True},
-}
-
-
-def test_key_covers_every_producer_setting() -> None:
-    base = ServiceBusSharedStreamTrigger(queue_name="orders")
-    fields = [f.name for f in dataclasses.fields(ServiceBusStreamSettings)]
-    assert set(fields) == set(ALTERNATIVES)
-    keys = {base.shared_stream_key()}
-    for name in fields:
-        value = ALTERNATIVES[name]
-        if value is None:
-            continue
-        needs = PREREQUISITES.get(name, {})
-        reference = ServiceBusSharedStreamTrigger(queue_name="orders", **needs)
-        changed = ServiceBusSharedStreamTrigger(**{"queue_name": "orders", **needs, name: value})
-        assert changed.shared_stream_key() != reference.shared_stream_key(), name
-        keys.add(changed.shared_stream_key())
-    topic = ServiceBusSharedStreamTrigger(topic_name="orders", subscription_name="a")
-    other_sub = ServiceBusSharedStreamTrigger(topic_name="orders", subscription_name="b")
-    keys |= {topic.shared_stream_key(), other_sub.shared_stream_key()}
-    assert len(keys) == len([v for v in ALTERNATIVES.values() if v is not None]) + 3
-
-
 def test_filters_do_not_change_the_key() -> None:
     plain = ServiceBusSharedStreamTrigger(queue_name="orders")
     filtered = ServiceBusSharedStreamTrigger(

@@ -15,7 +15,6 @@ from airflow_shared_stream_provider.triggers.sqs import (
     is_fifo_url,
     region_from_queue_url,
 )
-from tests.stream_keys import assert_every_setting_reaches_the_key
 
 QUEUE = "https://sqs.eu-west-1.amazonaws.com/123456789012/orders"
 BASE: dict[str, Any] = {"queue_url": QUEUE, "aws_conn_id": "aws_prod"}
@@ -26,30 +25,6 @@ class EuOnlyTrigger(SqsSharedStreamTrigger):
 
     def accept(self, envelope: Any) -> bool:
         return bool(envelope["body"].get("region") == "eu")
-
-
-_ALTERNATIVES: dict[str, Any] = {
-    "queue_url": "https://sqs.eu-west-1.amazonaws.com/123456789012/refunds",
-    "aws_conn_id": "aws_other",
-    "region_name": "eu-west-1",
-    "dlq_queue_url": QUEUE + "-dlq",
-    "wait_time_seconds": 5,
-    "visibility_timeout": 60,
-    "concurrent_receives": 3,
-    "hold_backoff": 7,
-    "reject_backoff": 30,
-    "max_payload_bytes": 4096,
-    "oversize_policy": "truncate",
-    "max_delivery_attempts": 9,
-    "max_in_flight": 5,
-    "max_in_flight_bytes": 8 * 1024 * 1024,
-    "batch_size": 100,
-    "batch_timeout": 2.0,
-}
-
-
-def test_every_producer_setting_is_in_the_key() -> None:
-    assert_every_setting_reaches_the_key(SqsSharedStreamTrigger, BASE, _ALTERNATIVES)
 
 
 def test_filters_and_filter_only_subclasses_share_the_stream() -> None:

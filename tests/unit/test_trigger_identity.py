@@ -9,7 +9,6 @@ import pytest
 
 from airflow_shared_stream_provider import SharedStreamConfigError
 from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger
-from tests.stream_keys import assert_every_setting_reaches_the_key
 
 BASE: dict[str, Any] = {"topics": ["orders"], "kafka_config_id": "kafka_prod"}
 
@@ -42,31 +41,6 @@ def test_filters_and_subclasses_do_not_change_the_key() -> None:
         plain.shared_stream_key()
         == KafkaSharedStreamTrigger(topics=["orders", "orders"], kafka_config_id="kafka_prod").shared_stream_key()
     )
-
-
-_ALTERNATIVES: dict[str, Any] = {
-    "topics": ["orders", "refunds"],
-    "kafka_config_id": "other",
-    "group_id": "g2",
-    "dlq_topic": "dlq",
-    "poll_timeout": 2.0,
-    "max_batch_size": 10,
-    "on_partial_assignment": "warn",
-    "partial_assignment_grace": 1.0,
-    "hold_backoff": 3.0,
-    "position_store": "group",
-    "max_payload_bytes": 4096,
-    "oversize_policy": "truncate",
-    "max_delivery_attempts": 9,
-    "max_in_flight": 5,
-    "max_in_flight_bytes": 8 * 1024 * 1024,
-    "batch_size": 100,
-    "batch_timeout": 2.0,
-}
-
-
-def test_every_producer_setting_is_in_the_key() -> None:
-    assert_every_setting_reaches_the_key(KafkaSharedStreamTrigger, BASE, _ALTERNATIVES)
 
 
 def test_serialize_holds_connection_ids_only() -> None:
