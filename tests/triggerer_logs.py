@@ -120,14 +120,20 @@ def triggerer_logs(monkeypatch: pytest.MonkeyPatch) -> Iterator[TriggerRunnerLog
 
 def without_our_registration(monkeypatch: pytest.MonkeyPatch) -> None:
     """The control: the provider's own registration removed (Airflow's own masking stays)."""
-    from airflow_shared_stream_provider._core import connections
-    from airflow_shared_stream_provider.producers import kafka_config
+    # The readers the masking tests cover; each imports register_secrets by name, so it is
+    # patched where it is looked up.
+    from airflow_shared_stream_provider.producers import (
+        aws_connection,
+        kafka_config,
+        pubsub_connection,
+        servicebus_connection,
+    )
 
     async def nothing(*values: Any) -> None:
         return None
 
-    monkeypatch.setattr(connections, "register_secrets", nothing)
-    monkeypatch.setattr(kafka_config, "register_secrets", nothing)
+    for module in (aws_connection, kafka_config, pubsub_connection, servicebus_connection):
+        monkeypatch.setattr(module, "register_secrets", nothing)
     with contextlib.suppress(ImportError):
         from airflow_shared_stream_provider.producers import aws_session
 

@@ -35,6 +35,14 @@ the whole unconfirmed backlog behind (found by the production chaos run: a super
 0 and replayed everything). Departed members are followed for at most :data:`DEPARTED_TRACKING`
 seconds, until their position cannot improve, or until the same watcher joins again here.
 
+Why in ``_core`` although Kafka is its only broker today: the core itself uses it (every watcher
+joins it in :mod:`.trigger`, keyed by :func:`position_key` of its settings' ``position_scope()``,
+a :class:`.settings.StreamSettings` hook that is None for a broker that keeps no
+positions; the flow gate holds :class:`WatcherPositions` in :mod:`.flow`), so it cannot sit beside
+a producer without ``_core`` importing ``producers/``. Nothing here is Kafka's: a lane is any log
+with integer offsets; a broker opts in with ``position_scope()`` and a producer that writes its
+lanes' positions (as ``producers/kafka.py`` does).
+
 The positions live next to the cohort record (:mod:`.cohort`), under a key derived from the
 stream's *position scope* (for Kafka: connection, topics, group), not from the whole stream key:
 changing a tuning setting such as ``batch_size`` keeps the positions.

@@ -37,8 +37,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from airflow_shared_stream_provider._core.connections import AwsConnection, register_secrets
+from airflow_shared_stream_provider._core.connections import register_secrets
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError, missing_dependency
+from airflow_shared_stream_provider.producers.aws_connection import AwsConnection
 
 try:
     from aiobotocore.config import AioConfig

@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from airflow_shared_stream_provider import SharedStreamConfigError
-from airflow_shared_stream_provider._core.ack_buffer import AckBuffer
 from airflow_shared_stream_provider._core.attempts import MessageCounts
 from airflow_shared_stream_provider._core.dead_letter import (
     add_within_limit,
@@ -72,6 +71,7 @@ from airflow_shared_stream_provider._core.logsafe import REASON_LOG_LIMIT, log_s
 from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.retry import Backoff, Retry, retry_call, retry_entries
 from airflow_shared_stream_provider._core.tasks import best_effort, cancel_and_wait, close_quietly
+from airflow_shared_stream_provider.producers.pubsub_ack_buffer import AckBuffer
 from airflow_shared_stream_provider.producers.pubsub_client import (
     DEFAULT_SUBSCRIPTION_DEADLINE,
     TRANSIENT,

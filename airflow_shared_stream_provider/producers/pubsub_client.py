@@ -1,7 +1,8 @@
 """
-The Google side of the Pub/Sub producer (:mod:`.pubsub`): the connection and its credentials, the
-GAPIC clients, the subscription's own settings, and what an RPC error means. What each outcome does
-on Pub/Sub (acks, nacks, leases, ordering keys, dead letters) stays in :mod:`.pubsub`.
+The Google side of the Pub/Sub producer (:mod:`.pubsub`): the connection and its credentials (read
+by :mod:`.pubsub_connection`), the GAPIC clients, the subscription's own settings, and what an RPC
+error means. What each outcome does on Pub/Sub (acks, nacks, leases, ordering keys, dead letters)
+stays in :mod:`.pubsub`.
 
 Connection (``gcp_conn_id``, the upstream ``google_cloud_platform`` shape, read directly by
 :func:`load_connection`):
@@ -40,7 +41,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from airflow_shared_stream_provider._core.connections import GcpConnection, load_gcp_connection
 from airflow_shared_stream_provider._core.envelope import iso_timestamp
 from airflow_shared_stream_provider._core.errors import (
     BrokerUnavailableError,
@@ -48,6 +48,7 @@ from airflow_shared_stream_provider._core.errors import (
     missing_dependency,
 )
 from airflow_shared_stream_provider._core.metrics import StreamCounters
+from airflow_shared_stream_provider.producers.pubsub_connection import GcpConnection, load_gcp_connection
 
 try:
     import grpc
@@ -78,7 +79,7 @@ TRANSIENT: Final[tuple[type[Exception], ...]] = (
 UNREACHABLE: Final[tuple[type[Exception], ...]] = (gexc.RetryError, *TRANSIENT)
 
 load_connection: Final = load_gcp_connection
-"""The subscription's ``google_cloud_platform`` connection and credentials (see :mod:`._core.connections`)."""
+"""The subscription's ``google_cloud_platform`` connection and credentials (see :mod:`.pubsub_connection`)."""
 
 # The one place the Google SDK is imported: the producer takes the clients' types and the API's
 # exceptions (``gexc``) from here.

@@ -95,12 +95,7 @@ from collections.abc import AsyncIterator, Hashable, Sequence
 from datetime import datetime, timezone
 from typing import Any, Final
 
-from airflow_shared_stream_provider._core.connections import (
-    ServiceBusConnectionInfo,
-    config_error,
-    connection_info,
-    load_connection_info,
-)
+from airflow_shared_stream_provider._core.connections import config_error
 from airflow_shared_stream_provider._core.dispositions import Disposition
 from airflow_shared_stream_provider._core.envelope import StreamMessage
 from airflow_shared_stream_provider._core.errors import (
@@ -114,6 +109,11 @@ from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.logsafe import log_safe
 from airflow_shared_stream_provider._core.producer import HELD_OVERHEAD, Decided, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.tasks import best_effort, close_quietly, first_of
+from airflow_shared_stream_provider.producers.servicebus_connection import (
+    ServiceBusConnectionInfo,
+    connection_info,
+    load_connection_info,
+)
 from airflow_shared_stream_provider.producers.servicebus_owner import OwnerQueue
 from airflow_shared_stream_provider.producers.servicebus_sessions import CreditPool, SessionPool, SessionReceiver
 from airflow_shared_stream_provider.producers.servicebus_types import (

@@ -37,13 +37,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Final, Literal
 
-from airflow_shared_stream_provider._core.credit import CreditPool
 from airflow_shared_stream_provider._core.dispositions import Decision, Disposition
 from airflow_shared_stream_provider._core.errors import BrokerUnavailableError, SharedStreamConfigError
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.logsafe import log_safe
 from airflow_shared_stream_provider._core.producer import Decided
 from airflow_shared_stream_provider._core.tasks import best_effort
+from airflow_shared_stream_provider.producers.servicebus_credit import CreditPool
 from airflow_shared_stream_provider.producers.servicebus_types import (
     LOCK_LOST,
     NO_SESSION,

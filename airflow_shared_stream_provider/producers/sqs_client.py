@@ -38,7 +38,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final
 
-from airflow_shared_stream_provider._core import connections
+from airflow_shared_stream_provider._core.connections import config_error
 from airflow_shared_stream_provider._core.dead_letter import add_within_limit
 from airflow_shared_stream_provider._core.envelope import iso_timestamp, text_value
 from airflow_shared_stream_provider._core.errors import (
@@ -48,7 +48,7 @@ from airflow_shared_stream_provider._core.errors import (
 )
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 from airflow_shared_stream_provider._core.retry import Backoff, Retry, retry_entries
-from airflow_shared_stream_provider.producers import aws_session
+from airflow_shared_stream_provider.producers import aws_connection, aws_session
 from airflow_shared_stream_provider.triggers.sqs import SqsStreamSettings, region_from_queue_url
 
 try:
@@ -84,7 +84,7 @@ _MISSING_QUEUE_CODES: Final = frozenset(
 def is_transient(exc: BaseException) -> bool:
     """Throttling or a network / service blip (retry the call), not a configuration mistake."""
     if isinstance(exc, boto.ClientError):
-        return str(exc.response.get("Error", {}).get("Code", "")) in connections.AWS_THROTTLE_CODES
+        return str(exc.response.get("Error", {}).get("Code", "")) in aws_connection.AWS_THROTTLE_CODES
     return isinstance(exc, boto.BotoCoreError) and not isinstance(
         exc, boto.NoCredentialsError | boto.PartialCredentialsError | boto.NoRegionError
     )
@@ -110,15 +110,13 @@ class SqsApi:
         self.settings = settings
         self.counters = counters
         self.log = log
-        self.client_settings: connections.AwsConnection | None = None
+        self.client_settings: aws_connection.AwsConnection | None = None
         self._stack: contextlib.AsyncExitStack | None = None
 
     def config_error(self, cause: str, exc: BaseException | None = None) -> SharedStreamConfigError:
         where = self.client_settings.describe() if self.client_settings else ""
         conn = self.settings.aws_conn_id
-        return connections.config_error(
-            f"SQS queue {self.settings.queue_url!r}", f"{cause} (aws_conn_id={conn!r}; {where})", exc
-        )
+        return config_error(f"SQS queue {self.settings.queue_url!r}", f"{cause} (aws_conn_id={conn!r}; {where})", exc)
 
     def unavailable_error(self, cause: str, exc: BaseException | None = None) -> BrokerUnavailableError:
         """A transient failure that outlasted the retries (same context as :meth:`config_error`)."""
@@ -148,11 +146,11 @@ class SqsApi:
                     f"the queue does not exist in region {region!r} for these credentials "
                     f"(wrong region or account, or deleted) [{code}]"
                 )
-            return connections.aws_error_cause(code, text, resource=queue_url)
+            return aws_connection.aws_error_cause(code, text, resource=queue_url)
         return f"{type(exc).__name__}: {exc}"
 
     # -- connecting ----------------------------------------------------------------------------
-    async def _session(self, client_settings: connections.AwsConnection) -> AioSession:
+    async def _session(self, client_settings: aws_connection.AwsConnection) -> AioSession:
         if bool(client_settings.access_key_id) != bool(client_settings.secret_access_key):
             raise self.config_error("the connection has only one of login (access key id) and password (secret)")
         try:
@@ -168,8 +166,8 @@ class SqsApi:
                 raise self.unavailable_error(cause, exc) from exc
             raise self.config_error(cause, exc) from exc
 
-    def _client_config(self, client_settings: connections.AwsConnection) -> AioConfig:
-        kwargs, unsupported = connections.aws_config_kwargs(client_settings)
+    def _client_config(self, client_settings: aws_connection.AwsConnection) -> AioConfig:
+        kwargs, unsupported = aws_connection.aws_config_kwargs(client_settings)
         if unsupported:
             raise self.config_error(f"unsupported config_kwargs key(s) {unsupported}")
         kwargs.setdefault("retries", {"mode": "standard", "max_attempts": 3})
@@ -182,7 +180,7 @@ class SqsApi:
     async def connect(self) -> Any:
         """The SQS client, open until :meth:`aclose`."""
         settings = self.settings
-        client_settings = await connections.load_aws_connection(
+        client_settings = await aws_connection.load_aws_connection(
             settings.aws_conn_id,
             service="sqs",
             region_name=settings.region_name,

@@ -14,17 +14,8 @@ from collections.abc import Sequence
 import pytest
 
 from airflow_shared_stream_provider import SharedStreamConfigError
-from airflow_shared_stream_provider._core.ack_buffer import AckBuffer
 from airflow_shared_stream_provider._core.attempts import MessageCounts
-from airflow_shared_stream_provider._core.connections import (
-    AWS_THROTTLE_CODES,
-    AwsConnection,
-    aws_config_kwargs,
-    aws_error_cause,
-    config_error,
-    load_aws_connection,
-    prefixed_extra,
-)
+from airflow_shared_stream_provider._core.connections import config_error
 from airflow_shared_stream_provider._core.dead_letter import add_within_limit, dead_letter_fields
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
@@ -38,6 +29,15 @@ from airflow_shared_stream_provider._core.retry import (
     retry_entries,
 )
 from airflow_shared_stream_provider._core.tasks import best_effort, cancel_and_wait, close_quietly, first_of
+from airflow_shared_stream_provider.producers.aws_connection import (
+    AWS_THROTTLE_CODES,
+    AwsConnection,
+    aws_config_kwargs,
+    aws_error_cause,
+    load_aws_connection,
+)
+from airflow_shared_stream_provider.producers.pubsub_ack_buffer import AckBuffer
+from airflow_shared_stream_provider.producers.pubsub_connection import prefixed_extra
 from devkit.runner import settle
 
 LOG = logging.getLogger(__name__)

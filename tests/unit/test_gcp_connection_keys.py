@@ -12,7 +12,7 @@ import json
 import pytest
 
 from airflow_shared_stream_provider import SharedStreamConfigError
-from airflow_shared_stream_provider._core.connections import load_gcp_connection
+from airflow_shared_stream_provider.producers.pubsub_connection import load_gcp_connection
 
 REFUSED = {
     "keyfile_dict and key_path": ({"keyfile_dict": "{}", "key_path": "/k.json"}, "['keyfile_dict', 'key_path']"),

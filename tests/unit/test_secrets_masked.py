@@ -21,8 +21,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from airflow_shared_stream_provider._core.connections import load_connection_info, load_gcp_connection
 from airflow_shared_stream_provider.producers.kafka_config import load_kafka_client_config
+from airflow_shared_stream_provider.producers.pubsub_connection import load_gcp_connection
+from airflow_shared_stream_provider.producers.servicebus_connection import load_connection_info
 from tests.triggerer_logs import assert_leaks, assert_masked, triggerer_logs, without_our_registration
 
 REGISTERED = {"registered": True, "registration removed (control)": False}

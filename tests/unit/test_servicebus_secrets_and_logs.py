@@ -8,9 +8,9 @@ import logging
 import pytest
 
 from airflow_shared_stream_provider import SharedStreamConfigError
-from airflow_shared_stream_provider._core.connections import ServiceBusConnectionInfo, connection_info
 from airflow_shared_stream_provider._core.logsafe import log_safe
 from airflow_shared_stream_provider.producers.servicebus import ServiceBusSharedStreamProducer
+from airflow_shared_stream_provider.producers.servicebus_connection import ServiceBusConnectionInfo, connection_info
 from airflow_shared_stream_provider.triggers.servicebus import ServiceBusStreamSettings
 
 SECRET = "c2VjcmV0LWtleS12YWx1ZQ=="

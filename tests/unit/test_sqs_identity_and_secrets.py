@@ -7,7 +7,8 @@ import json
 import pytest
 
 from airflow_shared_stream_provider import SharedStreamConfigError
-from airflow_shared_stream_provider._core.connections import GcpConnection, load_aws_connection
+from airflow_shared_stream_provider.producers.aws_connection import load_aws_connection
+from airflow_shared_stream_provider.producers.pubsub_connection import GcpConnection
 from airflow_shared_stream_provider.triggers.sqs import SqsSharedStreamTrigger, queue_identity, same_queue
 
 QUEUE = "https://sqs.us-east-1.amazonaws.com/123456789012/orders"

@@ -28,8 +28,8 @@ from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook, BaseSession
 from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_shared_stream_provider import SharedStreamConfigError
-from airflow_shared_stream_provider._core.connections import load_aws_connection
 from airflow_shared_stream_provider.producers import aws_session
+from airflow_shared_stream_provider.producers.aws_connection import load_aws_connection
 from devkit.runner import RunnerSim, wait_until
 from tests.integration.sqs.conftest import SqsAdapter
 from tests.triggerer_logs import assert_leaks, assert_masked, triggerer_logs, without_our_registration

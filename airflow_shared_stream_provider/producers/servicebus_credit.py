@@ -1,6 +1,8 @@
 """
-The flow gate's credit shared by several receivers of one stream (Service Bus session receivers):
-together they never receive more than the watchers can queue.
+The flow gate's credit shared by several receivers of one stream (Service Bus session receivers,
+:mod:`.servicebus_sessions`, its only user): together they never receive more than the watchers
+can queue. No Service Bus call here: a broker with several receivers per stream would share it
+from ``_core``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """
-Settle batching: acks and nacks gathered across ``advance`` calls and sent in batched calls by one
-background task, so the manager's many small advances (one per lane, often one message each) cost
-one broker call per ``batch_size`` messages instead of one each.
+Pub/Sub's settle batching: acks and nacks gathered across ``advance`` calls and sent in batched
+calls by one background task, so the manager's many small advances (one per lane, often one
+message each) cost one broker call per ``batch_size`` messages instead of one each.
+
+Beside the Pub/Sub producer (:mod:`.pubsub`) because it is its only user; it makes no Pub/Sub
+call (ids and two send functions), so a second broker whose late ack is harmless would move it
+back to ``_core``.
 
 Invariants: an id is sent at most once by the buffer (it is taken out before its call); a send
 that raises is never retried here and ends the flusher: the error is kept in
