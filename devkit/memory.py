@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
 
 from airflow_shared_stream_provider._core.dispositions import Disposition
-from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
+from airflow_shared_stream_provider._core.envelope import StreamMessage
+from airflow_shared_stream_provider._core.producer import UNSENT, Decided, Delivery, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.settings import StreamSettings
 from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
 from airflow_shared_stream_provider.brokers import BrokerName
@@ -124,37 +125,41 @@ class MemorySharedStreamProducer(SharedStreamProducerBase[MemoryStreamSettings, 
     def source_label(self) -> str:
         return f"memory://{self.settings.broker_name}"
 
-    async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
+    # The receive loop is the base's; this broker hands out one message a receive, so the byte
+    # budget holds from the first message on, before the size estimate has seen one (a real
+    # receive call is sized once, see _core/flow.py): the loop checks the credit, which includes
+    # the byte credit, before every message.
+    async def _connect_broker(self) -> None:
+        memory_broker(self.settings.broker_name).producers.append(self)
+
+    async def _receive(self, count: int) -> list[MemoryMessage]:
         broker = memory_broker(self.settings.broker_name)
-        broker.producers.append(self)
-        await self.cohort_ready()
-        while True:
-            if not await broker.wait_for_messages(timeout=QUIET_POLL):
-                self.deferred.release_all()  # an empty receive, as on a real broker
-                continue
-            credit = await self.wait_for_credit()
-            # The byte budget is checked again for every message: this broker hands out one
-            # message at a time, so the budget holds from the first message on, before the size
-            # estimate has seen one (a real receive call is sized once, see _core/flow.py).
-            while credit > 0 and broker.available and self.gate.byte_credit() > 0:
-                raw = broker.available.popleft()
-                raw.attempts += 1
-                broker.in_flight[raw.message_id] = raw
-                envelope, forced = self.envelope(
-                    source=self.source_label(),
-                    message_id=raw.message_id,
-                    body=raw.body,
-                    attributes=raw.attributes,
-                    published_at=None,
-                    delivery_attempt=raw.attempts,
-                    metadata={"lane": raw.lane},
-                )
-                self.counters.add("received")
-                message = self.stream_message(envelope, forced, raw.body)
-                # Held bytes only grow here: their peak is what the byte budget bounds.
-                self.peak_held_bytes = max(self.peak_held_bytes, self.gate.held_bytes)
-                yield message, MemoryDelivery(message, raw.attempts, raw)
-                credit -= 1
+        if not await broker.wait_for_messages(timeout=QUIET_POLL):
+            return []  # an empty receive, as on a real broker
+        raw = broker.available.popleft()
+        raw.attempts += 1
+        broker.in_flight[raw.message_id] = raw
+        return [raw]
+
+    def _to_delivery(
+        self, raw: MemoryMessage, received: list[Any]
+    ) -> tuple[MemoryDelivery, dict[str, Any], str | None, object]:
+        envelope, forced = self.envelope(
+            source=self.source_label(),
+            message_id=raw.message_id,
+            body=raw.body,
+            attributes=raw.attributes,
+            published_at=None,
+            delivery_attempt=raw.attempts,
+            metadata={"lane": raw.lane},
+        )
+        return MemoryDelivery(UNSENT, raw.attempts, raw), envelope, forced, raw.body
+
+    def hold(self, message: StreamMessage, body: object) -> StreamMessage:
+        held = super().hold(message, body)
+        # Held bytes only grow here: their peak is what the byte budget bounds.
+        self.peak_held_bytes = max(self.peak_held_bytes, self.gate.held_bytes)
+        return held
 
     def lane_of(self, broker_payload: Any) -> Hashable:
         return broker_payload.raw.lane if self.settings.lanes else None

@@ -1,12 +1,53 @@
 """
-The base of every broker producer: flow control, dispositions, counters, lifecycle.
+The base of every broker producer: the receive loop, flow control, dispositions, counters, lifecycle.
 
-A broker producer subclasses :class:`SharedStreamProducerBase` and writes three things:
-``_messages`` (connect, receive, and for each message yield ``(stream message, delivery)``),
-``_apply`` (what COMMIT / DEAD_LETTER / REDELIVER / HOLD mean on its broker) and ``_close``; and
-``lane_of`` if its broker has ordered lanes. Everything else (batch mode, the outcome ->
-disposition mapping, the poison cap, the credit that keeps watcher queues from overflowing,
-counters and metrics) is here, once.
+A broker producer subclasses :class:`SharedStreamProducerBase`. The receive loop
+(:meth:`SharedStreamProducerBase._messages`) is written here once, as a template method that
+drives the broker's hooks and keeps the loop's rules itself; a broker writes only the hooks:
+
+Required:
+
+* ``source_label()``: the stream's human-readable identity.
+* ``_connect_broker()``: connect and check the configuration (before the cohort: a bad setting fails fast).
+* ``_receive(count)``: one receive of at most ``count`` raw messages (a ``list``, empty when the
+  broker had none); :class:`Received` when the broker needs per-receive facts (its start, a number).
+* ``_to_delivery(raw, received)``: one raw message as ``(delivery, envelope, forced rejection,
+  raw body)``; the delivery's ``message`` is :data:`UNSENT` (the loop puts the message there).
+* ``_apply(decided)``: what COMMIT / DEAD_LETTER / REDELIVER / HOLD mean on the broker.
+* ``_close()``: release broker clients (best-effort).
+
+Optional (the default does nothing or the usual thing):
+
+* ``_receiving()``: start what runs beside the loop once the cohort formed (lease keeper, ack buffer).
+* ``_admit(received)``: bookkeeping of a whole receive before any of it is broadcast (every receive,
+  empty ones too); may drop messages (still counted as received) or raise to end the stream.
+* ``_check_stream()``: raise to end the stream before the next receive (a background failure).
+* ``_after_empty(received)``: after an empty receive (a pause for a server that answers at once).
+* ``receive_errors`` / ``_fatal_receive_error(exc)`` / ``_receive_outage(exc, failures)`` /
+  ``_receive_backoff()``: which receive errors are retried, which end the stream at once, the
+  error once they outlast the streak, and the waits between the tries.
+* ``max_receive``: the most messages one receive asks for; ``concurrent_receives``: receives in
+  flight at once (0: awaited inline); ``receive_ahead``: start the next receive while a received
+  batch is broadcast; ``_end_receives()``: what becomes of receives still travelling when the
+  loop ends (default: cancelled).
+* ``lane_of`` / ``batch_lane_of`` if the broker has ordered lanes; ``sdk_buffered_messages``.
+
+The rules the template keeps (a broker cannot break them): the cohort forms before the first
+receive; every receive asks for no more than the credit (less what receives still travelling
+asked for); a receive that comes back empty releases what ``deferred`` holds; every message a
+receive brought is counted as ``received``; a message's seq is taken right before its yield
+(nothing awaited in between); receive failures are retried with backoff for at most
+:data:`RECEIVE_ERROR_LIMIT` in a row; receives still travelling are ended when the loop ends.
+
+Kafka and Service Bus keep their own ``_messages`` (an allowed override: their receive is a
+consumer group's fetch / a set of session receivers, not yet ported onto the hooks); an override
+keeps the same rules by hand: :meth:`cohort_ready` first, credit (:meth:`wait_for_credit`,
+:meth:`credit`) before each receive, the seq (:meth:`stream_message` / :meth:`take_seq`)
+immediately before each yield, ``self.deferred.release_all()`` on an empty receive, and
+``received`` counted.
+
+Everything else (batch mode, the outcome -> disposition mapping, the poison cap, the credit that
+keeps watcher queues from overflowing, counters and metrics) is here, once.
 """
 
 from __future__ import annotations
@@ -14,7 +55,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Generic, TypeVar
 
@@ -35,6 +76,7 @@ from airflow_shared_stream_provider._core.flow import FlowGate, gates
 from airflow_shared_stream_provider._core.logsafe import REASON_LOG_LIMIT, log_safe
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 from airflow_shared_stream_provider._core.release import ENTRIES_PER_MESSAGE, DeferredRelease
+from airflow_shared_stream_provider._core.retry import Backoff, ErrorStreak
 from airflow_shared_stream_provider._core.settings import StreamSettings
 from airflow_shared_stream_provider._core.split import SplitWatch, heartbeat_interval
 from airflow_shared_stream_provider._core.tasks import cancel_and_wait
@@ -47,6 +89,26 @@ DEFAULT_ACK_TIMEOUT = 300.0
 # bookkeeping), and the share of max_in_flight_bytes advanced messages may wait in ``deferred``.
 HELD_OVERHEAD: Final = 1024
 DEFERRED_BYTES_SHARE: Final = 8
+# Receive failures the loop retries (1, 2, 4, 8 s apart) before the stream fails: the 5th in a row.
+RECEIVE_ERROR_LIMIT: Final = 5
+RECEIVE_BACKOFF: Final = Backoff(1.0, cap=16.0)
+
+UNSENT: Final = StreamMessage({}, 0)
+"""The ``message`` of a delivery whose message is not built yet (the receive loop puts it there)."""
+
+
+class Received(list):  # type: ignore[type-arg]  # list[Any]: a broker's raw messages
+    """
+    One receive's raw messages, with what a broker needs to know of the receive itself: when it
+    started (a lease the broker granted starts no earlier) and a number the broker gives it.
+    """
+
+    __slots__ = ("number", "started")
+
+    def __init__(self, items: Iterable[Any] = (), *, started: float = 0.0, number: int = 0) -> None:
+        super().__init__(items)
+        self.started = started
+        self.number = number
 
 
 def body_size(body: object) -> int:
@@ -198,22 +260,179 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         # Split detection (see _core/split.py), started once the cohort formed.
         self.split_watch: SplitWatch | None = None
         self._split_task: asyncio.Future[None] | None = None
+        # Receives travelling (concurrent_receives > 0) and how many messages each asked for.
+        self._receives: dict[asyncio.Future[list[Any]], int] = {}
 
     # -- for subclasses ------------------------------------------------------------------------
     @abc.abstractmethod
     def source_label(self) -> str:
         """Human-readable stream identity (topic list, queue URL, subscription path)."""
 
-    @abc.abstractmethod
-    def _messages(self) -> AsyncIterator[tuple[StreamMessage, Any]]:
+    # -- the receive loop: written once here, driving the broker's hooks below ------------------
+    async def _messages(self) -> AsyncIterator[tuple[StreamMessage, Any]]:
         """
-        Connect, wait for the cohort (:meth:`cohort_ready`), then receive forever: for each
-        message yield ``(stream message, delivery)``.
+        Open, wait for the cohort, then receive forever: for each message yield ``(stream
+        message, delivery)``. The template every ported broker runs; its rules are in the module
+        docstring. Kafka and Service Bus override it (see there).
+        """
+        await self._connect_broker()
+        await self.cohort_ready()  # before the first receive: see _core/cohort.py
+        self._receiving()
+        errors = ErrorStreak(self._receive_backoff(), limit=RECEIVE_ERROR_LIMIT)
+        try:
+            while True:
+                self._check_stream()
+                # Receives are handed out in the order they were started.
+                for received in await self._next_receives():
+                    if isinstance(received, BaseException):
+                        await self._receive_failed(received, errors)
+                        continue
+                    errors.reset()
+                    size = len(received)
+                    messages = await self._admit(received)
+                    if not size:
+                        self.deferred.release_all()  # a quiet stream: hold nothing (see _core/release.py)
+                        await self._after_empty(received)
+                        continue
+                    self.counters.add("received", size)
+                    if self.receive_ahead:
+                        self._receive_ahead(size)
+                    # Popped, so that a yielded message's raw bytes are referenced only by its
+                    # delivery (the receive's list and the generator frame would keep them).
+                    messages.reverse()
+                    while messages:
+                        delivery, envelope, forced, body = self._to_delivery(messages.pop(), received)
+                        # The seq is taken here, right before the yield, with nothing awaited between.
+                        delivery.message = message = self.stream_message(envelope, forced, body)
+                        yield message, delivery
+        finally:
+            await self._end_receives()
 
-        Take the message's seq (:meth:`stream_message` / :meth:`take_seq`) immediately before its
-        yield, ask for credit (:meth:`wait_for_credit`, :meth:`credit`) before each receive, and
-        call ``self.deferred.release_all()`` when a receive comes back empty.
+    async def _next_receives(self) -> list[list[Any] | BaseException]:
         """
+        The next receives to hand out, in the order they were started: their messages, or the
+        error (one of :attr:`receive_errors`) they failed with. Never asks for more than the credit.
+        """
+        if not self.concurrent_receives:
+            credit = await self.wait_for_credit()
+            try:
+                return [await self._receive(min(credit, self.max_receive))]
+            except self.receive_errors as exc:
+                return [exc]
+        receives = self._receives
+        # Up to concurrent_receives in flight, together never asking for more than the credit.
+        available = self.credit() - sum(receives.values())
+        while len(receives) < self.concurrent_receives and available > 0:
+            count = min(self.max_receive, available)
+            self._start_receive(count)
+            available -= count
+        if not receives:
+            await self.wait_for_credit()
+            return []
+        # Not cancelled with the loop: _end_receives decides what becomes of a receive travelling.
+        done, _ = await asyncio.wait(receives, return_when=asyncio.FIRST_COMPLETED)
+        results: list[list[Any] | BaseException] = []
+        for task in [task for task in receives if task in done]:
+            del receives[task]
+            try:
+                results.append(task.result())
+            except self.receive_errors as exc:
+                results.append(exc)
+        return results
+
+    def _start_receive(self, count: int) -> None:
+        # _receive runs its synchronous part now (Pub/Sub numbers its pulls there), the rest in a task.
+        task = asyncio.ensure_future(self._receive(count))
+        task.set_name(f"{self.broker}-receive[{self.source_label()}]")
+        self._receives[task] = count
+
+    def _receive_ahead(self, size: int) -> None:
+        """Start the next receive while ``size`` messages just received are broadcast (their credit taken)."""
+        if len(self._receives) < self.concurrent_receives:
+            more = self.credit() - size - sum(self._receives.values())
+            if more > 0:
+                self._start_receive(min(self.max_receive, more))
+
+    async def _receive_failed(self, exc: BaseException, errors: ErrorStreak) -> None:
+        """A failed receive: end the stream (a setting, or an outage past the streak), or wait and retry."""
+        fatal = self._fatal_receive_error(exc)
+        if fatal is not None:
+            raise fatal from exc
+        delay = errors.failed()
+        if delay is None:
+            raise self._receive_outage(exc, errors.count) from exc
+        self.log.warning(
+            "%s receive on %s failed (%s); retrying in %.0f s", self.broker, self.source_label(), exc, delay
+        )
+        await asyncio.sleep(delay)
+
+    # -- receive hooks: required (unless _messages is overridden) ------------------------------
+    async def _connect_broker(self) -> None:
+        """Connect and check the configuration; runs before the cohort forms."""
+        raise NotImplementedError(f"{type(self).__name__} overrides neither _connect_broker nor _messages")
+
+    def _receive(self, count: int) -> Awaitable[list[Any]]:
+        """
+        One receive of at most ``count`` raw messages (``count`` >= 1, within the credit and
+        :attr:`max_receive`); empty when the broker had none. Return a :class:`Received` to keep
+        facts of the receive for :meth:`_admit` / :meth:`_to_delivery`. Raising one of
+        :attr:`receive_errors` is a failed receive (retried, see :meth:`_fatal_receive_error`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} overrides neither _receive nor _messages")
+
+    def _to_delivery(self, raw: Any, received: list[Any]) -> tuple[Delivery, dict[str, Any], str | None, object]:
+        """
+        One raw message of ``received``: ``(delivery, envelope, forced rejection, raw body)``, the
+        envelope and rejection from :meth:`envelope`, the delivery's ``message`` :data:`UNSENT`.
+        Synchronous: the loop takes the message's seq right after it and yields.
+        """
+        raise NotImplementedError(f"{type(self).__name__} overrides neither _to_delivery nor _messages")
+
+    # -- receive hooks: optional ---------------------------------------------------------------
+    # The most messages one receive asks for (the broker's own limit; the credit may ask fewer).
+    max_receive: int = 1
+    # Receives in flight at once, each a task; 0: each receive is awaited in the loop itself.
+    concurrent_receives: int = 0
+    # Start the next receive (within the credit) while the messages of one are broadcast.
+    receive_ahead: ClassVar[bool] = False
+    # The errors a failed receive raises (retried unless _fatal_receive_error says otherwise);
+    # any other error of a receive ends the stream.
+    receive_errors: ClassVar[tuple[type[BaseException], ...]] = ()
+
+    def _receiving(self) -> None:
+        """The cohort formed, receives start: start what runs beside the loop (lease keeper, acks)."""
+
+    def _check_stream(self) -> None:
+        """Before each receive: raise to end the stream (a failure found in the background)."""
+
+    async def _admit(self, received: list[Any]) -> list[Any]:
+        """
+        Bookkeeping of a whole receive before any of it is broadcast (called for every receive,
+        empty ones too): the messages to broadcast (the dropped ones still count as received).
+        May raise to end the stream instead.
+        """
+        return received
+
+    async def _after_empty(self, received: list[Any]) -> None:
+        """After an empty receive (a broker that answers empty at once is polled with a pause)."""
+
+    def _fatal_receive_error(self, exc: BaseException) -> Exception | None:
+        """The error to end the stream with at once (a setting, not an outage), or None: retry."""
+        return None
+
+    def _receive_backoff(self) -> Backoff:
+        """The waits between failed receives (a broker module may keep its own, tests shorten it)."""
+        return RECEIVE_BACKOFF
+
+    def _receive_outage(self, exc: BaseException, failures: int) -> Exception:
+        """The error ending the stream after ``failures`` failed receives in a row (an outage)."""
+        return RuntimeError(f"{self.source_label()}: {failures} receives failed in a row ({type(exc).__name__}: {exc})")
+
+    async def _end_receives(self) -> None:
+        """The loop ends (or the producer closes): receives still travelling are cancelled."""
+        tasks = list(self._receives)
+        self._receives.clear()
+        await cancel_and_wait(*tasks)
 
     def sdk_buffered_messages(self) -> int:
         """

@@ -51,7 +51,7 @@ import asyncio
 import functools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -68,7 +68,7 @@ from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.logsafe import REASON_LOG_LIMIT, log_safe
-from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
+from airflow_shared_stream_provider._core.producer import UNSENT, Decided, Delivery, Received, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.retry import Backoff, Retry, retry_call, retry_entries
 from airflow_shared_stream_provider._core.tasks import best_effort, cancel_and_wait, close_quietly
 from airflow_shared_stream_provider.producers.pubsub_ack_buffer import AckBuffer
@@ -122,6 +122,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
     """One subscriber client, one pull loop, for every watcher of a subscription (see module doc)."""
 
     max_message_bytes = 10 * 1000 * 1000
+    receive_ahead = True
 
     def __init__(self, settings: PubSubStreamSettings, *, stream_key: Hashable) -> None:
         self.subscription_path: str | None = None  # resolved in open_stream (project may come from the connection)
@@ -155,7 +156,10 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         # Keys with nothing in flight whose barrier covers a pull not received yet.
         self._barriers_waiting: set[str] = set()
         self._pulls_received = 0
-        self._next_pull: asyncio.Task[tuple[int, float, list[Pulled]]] | None = None
+        # The base's receive loop: one pull travelling, the next started while one is broadcast.
+        self.max_receive = settings.max_messages
+        self.concurrent_receives = 1
+        self._idle_wait = 0.0  # the pause before polling a server that answered empty at once
         # message id -> deliveries seen by this producer, for the poison cap when the subscription
         # has no dead-letter policy (Pub/Sub only counts attempts when it has one).
         self._attempts: MessageCounts[str] = MessageCounts(ATTEMPTS_MEMORY)
@@ -216,95 +220,82 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
             name=f"pubsub-leases[{self.subscription_path}]",
         )
 
-    # -- the pull loop ---------------------------------------------------------------------------
-    async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
+    # -- the pull loop (the base's receive loop: these are its hooks) --------------------------
+    async def _connect_broker(self) -> None:
         await self._connect()
-        await self.cohort_ready()
-        unsettled = self._unsettled
-        unsettled.keep_leases(self._make_lease_keeper())
-        self._buffer.start(f"pubsub-acks[{self.subscription_path}]", where=self.source_label())
-        source = self.source_label()
-        idle_wait = 0.0
-        try:
-            while True:
-                if self._buffer.fatal is not None:
-                    raise self._buffer.fatal
-                if self._next_pull is None:
-                    self._next_pull = self._start_pull(await self.wait_for_credit())
-                task, self._next_pull = self._next_pull, None
-                try:
-                    # Shielded: a stop must not cancel a pull the server may have answered already
-                    # (it leases what it hands out); the finally below hands those messages back.
-                    pull_index, started, received = await asyncio.shield(task)
-                except asyncio.CancelledError:
-                    self._next_pull = task
-                    raise
-                if self._buffer.fatal is not None:
-                    # The acks failed for good while this pull was out (an outage): the stream ends.
-                    # Hand these back instead of broadcasting them (their acks could not be sent,
-                    # so the watchers would fire for them now and again on the redelivery): the
-                    # final flush in _close nacks them with everything else still held.
-                    self._buffer.nacks.extend(item.ack_id for item in received)
-                    raise self._buffer.fatal
-                self._pull_received(pull_index, received)
-                if not received:
-                    self.deferred.release_all()  # quiet subscription: hold nothing (see _core/release.py)
-                    # Real Pub/Sub holds an empty pull open until pull_timeout; a server that answers
-                    # empty at once (the emulator) is polled with a growing pause, at most 1 s.
-                    elapsed = time.monotonic() - started
-                    if elapsed < self.settings.pull_timeout / 2:
-                        idle_wait = min(max(idle_wait * 2, 0.05), 1.0, self.settings.pull_timeout)
-                        await asyncio.sleep(idle_wait)
-                    continue
-                idle_wait = 0.0
-                self.counters.add("received", len(received))
-                # Pipelining: the next pull travels while this batch is fanned out.
-                more = self.credit() - len(received)
-                if more > 0:
-                    self._next_pull = self._start_pull(more)
-                # The server started each lease when it answered; the request start is a lower bound.
-                lease_end = started + self.subscription_ack_deadline
-                # Popped, so that a yielded message's bytes are referenced only by its delivery
-                # (the pull's task keeps this list, the generator frame keeps the loop variable).
-                received.reverse()
-                while received:
-                    item = received.pop()
-                    message_id = item.message_id
-                    ack_id = item.ack_id
-                    ordering_key = item.ordering_key
-                    attempt = self._attempt_of(message_id, item.delivery_attempt)
-                    attributes = item.attributes
-                    published_at = item.published_at
-                    data = item.data
-                    envelope, forced = self.envelope(
-                        source=source,
-                        message_id=message_id,
-                        body=data,
-                        attributes=attributes,
-                        published_at=published_at,
-                        delivery_attempt=attempt,
-                        metadata={"ordering_key": ordering_key or None},
-                    )
-                    unsettled.add(ack_id, None, lease_expires_at=lease_end)
-                    message = self.stream_message(envelope, forced, data)
-                    yield (
-                        message,
-                        PubSubDelivery(
-                            message,
-                            attempt,
-                            ack_id=ack_id,
-                            message_id=message_id,
-                            ordering_key=ordering_key,
-                            pull_index=pull_index,
-                            data=data,
-                            attributes=attributes,
-                            published_at=published_at,
-                        ),
-                    )
-        finally:
-            await self._hand_back_travelling_pull()
 
-    async def _hand_back_travelling_pull(self) -> None:
+    def _receiving(self) -> None:
+        self._unsettled.keep_leases(self._make_lease_keeper())
+        self._buffer.start(f"pubsub-acks[{self.subscription_path}]", where=self.source_label())
+
+    def _check_stream(self) -> None:
+        if self._buffer.fatal is not None:
+            raise self._buffer.fatal
+
+    def _receive(self, count: int) -> Awaitable[Received]:
+        # Numbered when started, not when the task runs: _apply's key barriers cover every pull
+        # started before a nack, including one whose task has not run yet.
+        self._pulls_started += 1
+        return self._pull(self._pulls_started, count)
+
+    async def _admit(self, received: list[Any]) -> list[Any]:
+        if self._buffer.fatal is not None:
+            # The acks failed for good while this pull was out (an outage): the stream ends.
+            # Hand these back instead of broadcasting them (their acks could not be sent,
+            # so the watchers would fire for them now and again on the redelivery): the
+            # final flush in _close nacks them with everything else still held.
+            self._buffer.nacks.extend(item.ack_id for item in received)
+            raise self._buffer.fatal
+        assert isinstance(received, Received)
+        self._pull_received(received.number, received)
+        if received:
+            self._idle_wait = 0.0
+        return received
+
+    async def _after_empty(self, received: list[Any]) -> None:
+        # Real Pub/Sub holds an empty pull open until pull_timeout; a server that answers empty at
+        # once (the emulator) is polled with a growing pause, at most 1 s.
+        assert isinstance(received, Received)
+        timeout = self.settings.pull_timeout
+        if time.monotonic() - received.started < timeout / 2:
+            self._idle_wait = min(max(self._idle_wait * 2, 0.05), 1.0, timeout)
+            await asyncio.sleep(self._idle_wait)
+
+    def _to_delivery(
+        self, raw: Pulled, received: list[Any]
+    ) -> tuple[PubSubDelivery, dict[str, Any], str | None, object]:
+        assert isinstance(received, Received)
+        message_id = raw.message_id
+        ordering_key = raw.ordering_key
+        attempt = self._attempt_of(message_id, raw.delivery_attempt)
+        attributes = raw.attributes
+        published_at = raw.published_at
+        data = raw.data
+        envelope, forced = self.envelope(
+            source=self.source_label(),
+            message_id=message_id,
+            body=data,
+            attributes=attributes,
+            published_at=published_at,
+            delivery_attempt=attempt,
+            metadata={"ordering_key": ordering_key or None},
+        )
+        # The server started each lease when it answered; the request start is a lower bound.
+        self._unsettled.add(raw.ack_id, None, lease_expires_at=received.started + self.subscription_ack_deadline)
+        delivery = PubSubDelivery(
+            UNSENT,
+            attempt,
+            ack_id=raw.ack_id,
+            message_id=message_id,
+            ordering_key=ordering_key,
+            pull_index=received.number,
+            data=data,
+            attributes=attributes,
+            published_at=published_at,
+        )
+        return delivery, envelope, forced, data
+
+    async def _end_receives(self) -> None:
         """
         Closing: wait briefly for the pull still travelling and hand back what it brings.
 
@@ -315,19 +306,18 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         :meth:`_close`) makes them deliverable again at once. A pull that does not answer in time
         is cancelled (an outage: what it may have leased waits out the deadline).
         """
-        task, self._next_pull = self._next_pull, None
-        if task is None:
-            return
-        try:
-            if not task.done():
-                await asyncio.wait({task}, timeout=self.settings.pull_timeout + CLOSING_PULL_GRACE)
-        finally:
-            if not task.done():
-                await cancel_and_wait(task)
-        if task.cancelled() or task.exception() is not None:
-            return
-        _, _, received = task.result()
-        self._buffer.nacks.extend(item.ack_id for item in received)
+        tasks = list(self._receives)
+        self._receives.clear()
+        for task in tasks:
+            try:
+                if not task.done():
+                    await asyncio.wait({task}, timeout=self.settings.pull_timeout + CLOSING_PULL_GRACE)
+            finally:
+                if not task.done():
+                    await cancel_and_wait(task)
+            if task.cancelled() or task.exception() is not None:
+                continue
+            self._buffer.nacks.extend(item.ack_id for item in task.result())
 
     def _pull_received(self, pull_index: int, received: Sequence[Pulled]) -> None:
         """Count a pull's keyed messages as in flight (all of them, before any is yielded)."""
@@ -358,15 +348,8 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
             else:
                 self._barriers_waiting.add(key)
 
-    def _start_pull(self, credit: int) -> asyncio.Task[tuple[int, float, list[Pulled]]]:
-        self._pulls_started += 1
-        return asyncio.create_task(
-            self._pull(self._pulls_started, min(credit, self.settings.max_messages)),
-            name=f"pubsub-pull[{self.subscription_path}]",
-        )
-
-    async def _pull(self, pull_index: int, max_messages: int) -> tuple[int, float, list[Pulled]]:
-        """One ``Pull``: ``(pull index, monotonic start, the messages)``; empty on timeout."""
+    async def _pull(self, pull_index: int, max_messages: int) -> Received:
+        """One ``Pull``: the messages (empty on timeout), with its index and monotonic start."""
         client = self._subscriber
         if client is None:
             raise BrokerHandleClosedError(f"Pub/Sub producer for {self.source_label()} is closed")
@@ -375,7 +358,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         )
         self.pull_calls += 1
         self.counters.add("api_calls")
-        return pull_index, started, received
+        return Received(received, started=started, number=pull_index)
 
     def _attempt_of(self, message_id: str, server_attempt: int) -> int:
         """Pub/Sub's ``delivery_attempt`` when it counts (dead-letter policy), else ours."""
@@ -591,7 +574,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
 
     # -- closing ---------------------------------------------------------------------------------
     async def _close(self) -> None:
-        await self._hand_back_travelling_pull()
+        await self._end_receives()
         await self._unsettled.stop()
         await self._buffer.stop()
         try:

@@ -59,13 +59,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 from airflow_shared_stream_provider._core.connections import config_error
 from airflow_shared_stream_provider._core.dispositions import Decision, Disposition
-from airflow_shared_stream_provider._core.envelope import StreamMessage, text_value
+from airflow_shared_stream_provider._core.envelope import text_value
 from airflow_shared_stream_provider._core.errors import (
     BrokerHandleClosedError,
     BrokerUnavailableError,
@@ -75,7 +75,14 @@ from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.logsafe import REASON_LOG_LIMIT, log_safe
 from airflow_shared_stream_provider._core.metrics import StreamCounters
-from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
+from airflow_shared_stream_provider._core.producer import (
+    RECEIVE_BACKOFF,
+    RECEIVE_ERROR_LIMIT,
+    UNSENT,
+    Decided,
+    Delivery,
+    SharedStreamProducerBase,
+)
 from airflow_shared_stream_provider._core.retry import Backoff, ErrorStreak, chunks
 from airflow_shared_stream_provider._core.tasks import best_effort
 from airflow_shared_stream_provider.producers.redis_client import (
@@ -102,12 +109,11 @@ from airflow_shared_stream_provider.triggers.redis import RedisStreamSettings
 
 __all__ = ["RedisAdvanceError", "RedisDelivery", "RedisSharedStreamProducer"]
 
-_RECEIVE_ERROR_LIMIT: Final = 5
-_RECEIVE_BACKOFF: Final = Backoff(1.0, cap=16.0)
+# The waits between failed receives and connects (read at each stream's start: tests shorten them).
+_RECEIVE_BACKOFF: Final = RECEIVE_BACKOFF
 _CLOSE_TIMEOUT: Final = 5.0
 _SCRIPT_BATCH: Final = 500
 """Entries per lease / give-back script call (each costs the server one XPENDING + XCLAIM)."""
-_UNSENT: Final = StreamMessage({}, 0)
 
 
 class RedisAdvanceError(RuntimeError):
@@ -140,6 +146,7 @@ class RedisSharedStreamProducer(SharedStreamProducerBase[RedisStreamSettings, Re
     # A clean stop gives the entries still in flight back at once; tests that simulate a crash turn
     # this off (a killed triggerer gives nothing back).
     release_on_close: ClassVar[bool] = True
+    receive_errors = REDIS_ERRORS
 
     def __init__(self, settings: RedisStreamSettings, *, stream_key: Hashable) -> None:
         super().__init__(settings, stream_key=stream_key)
@@ -161,6 +168,8 @@ class RedisSharedStreamProducer(SharedStreamProducerBase[RedisStreamSettings, Re
         self._claim_interval = max(0.5, settings.claim_idle / 4)
         self._claim_due = 0.0
         self._claim_cursor = b"0-0"
+        self._claiming = False  # whether the receive in progress is a claim pass
+        self.max_receive = settings.read_count
 
     # -- identity ------------------------------------------------------------------------------
     def source_label(self) -> str:
@@ -263,11 +272,12 @@ class RedisSharedStreamProducer(SharedStreamProducerBase[RedisStreamSettings, Re
                     keys=[settings.stream], args=[settings.group, name, int(STALE_CONSUMER_SECONDS * 1000)]
                 )
 
-    # -- receive -------------------------------------------------------------------------------
-    async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
-        settings = self.settings
+    # -- receive (the loop is the base's: these are its hooks) ---------------------------------
+    async def _connect_broker(self) -> None:
         await self._connect_with_retries()
-        await self.cohort_ready()
+
+    def _receiving(self) -> None:
+        settings = self.settings
         self._unsettled.keep_leases(
             LeaseKeeper(
                 renew=self._renew,
@@ -278,60 +288,54 @@ class RedisSharedStreamProducer(SharedStreamProducerBase[RedisStreamSettings, Re
                 name=f"redis-lease-keeper[{settings.stream}]",
             )
         )
-        errors = ErrorStreak(_RECEIVE_BACKOFF, limit=_RECEIVE_ERROR_LIMIT)
-        while True:
-            credit = await self.wait_for_credit()
-            count = min(credit, settings.read_count)
-            try:
-                claimed = time.monotonic() >= self._claim_due
-                if claimed:
-                    entries, counts = await self._claim(count)
-                else:
-                    entries = await self._read(count, self._block_seconds())
-                    counts = None
-            except REDIS_ERRORS as exc:
-                if not is_transient(exc):
-                    raise self._explain(exc) from exc
-                delay = errors.failed()
-                if delay is None:
-                    raise self._unavailable(
-                        f"{'XAUTOCLAIM' if claimed else 'XREADGROUP'} failed {errors.count} times in a row "
-                        f"({type(exc).__name__}: {exc})",
-                        exc,
-                    ) from exc
-                self.log.warning("Redis receive on %s failed (%s); retrying in %.0f s", settings.stream, exc, delay)
-                await asyncio.sleep(delay)
-                continue
-            errors.reset()
-            if not entries:
-                if not claimed:
-                    self.deferred.release_all()  # quiet stream: hold nothing (see _core/release.py)
-                continue
-            self.counters.add("received", len(entries))
-            if counts is not None:
-                entries, counts = await self._skip_in_flight(entries, counts)
-            for index, entry in enumerate(entries):
-                entry_id = entry.entry_id.decode("ascii", "replace")
-                attempt = max(1, counts[index]) if counts is not None else 1
-                delivery = RedisDelivery(_UNSENT, attempt, entry_id, entry.fields)
-                self._unsettled.add(entry_id, attempt)
-                body, attributes = split_fields(entry.fields, self._body_field)
-                envelope, forced = self._envelope(delivery, body, attributes)
-                delivery.message = msg = self.stream_message(envelope, forced, body)
-                yield msg, delivery
 
-    async def _skip_in_flight(self, entries: list[Entry], counts: list[int]) -> tuple[list[Entry], list[int]]:
+    async def _receive(self, count: int) -> list[tuple[Entry, int]]:
+        """A claim pass when one is due, else new entries: ``(entry, its delivery count)`` each."""
+        self._claiming = time.monotonic() >= self._claim_due
+        if self._claiming:
+            entries, counts = await self._claim(count)
+            return list(zip(entries, counts, strict=True))
+        return [(entry, 1) for entry in await self._read(count, self._block_seconds())]
+
+    def _receive_backoff(self) -> Backoff:
+        return _RECEIVE_BACKOFF
+
+    def _fatal_receive_error(self, exc: BaseException) -> Exception | None:
+        return None if is_transient(exc) else self._explain(exc)
+
+    def _receive_outage(self, exc: BaseException, failures: int) -> Exception:
+        call = "XAUTOCLAIM" if self._claiming else "XREADGROUP"
+        return self._unavailable(f"{call} failed {failures} times in a row ({type(exc).__name__}: {exc})", exc)
+
+    async def _admit(self, received: list[Any]) -> list[Any]:
+        if self._claiming and received:
+            return await self._skip_in_flight(received)
+        return received
+
+    def _to_delivery(
+        self, raw: tuple[Entry, int], received: list[Any]
+    ) -> tuple[RedisDelivery, dict[str, Any], str | None, object]:
+        entry, count = raw
+        entry_id = entry.entry_id.decode("ascii", "replace")
+        attempt = max(1, count)
+        delivery = RedisDelivery(UNSENT, attempt, entry_id, entry.fields)
+        self._unsettled.add(entry_id, attempt)
+        body, attributes = split_fields(entry.fields, self._body_field)
+        envelope, forced = self._envelope(delivery, body, attributes)
+        return delivery, envelope, forced, body
+
+    async def _skip_in_flight(self, claimed: list[tuple[Entry, int]]) -> list[tuple[Entry, int]]:
         """
         Claimed entries this stream still has in flight (their lease lapsed: held past the ack
         timeout, the manager about to fail them) are not broadcast again; the claim's delivery count
         is taken back and the lease renewed, so a slow advance does not count as deliveries.
         """
-        keep: list[int] = []
+        keep: list[tuple[Entry, int]] = []
         restore: list[tuple[str, int]] = []
-        for index, entry in enumerate(entries):
+        for entry, count in claimed:
             attempt = self._unsettled.get(entry.entry_id.decode("ascii", "replace"))
             if attempt is None:
-                keep.append(index)
+                keep.append((entry, count))
             else:
                 restore.append((entry.entry_id.decode("ascii", "replace"), attempt))
         if restore:
@@ -341,11 +345,11 @@ class RedisSharedStreamProducer(SharedStreamProducerBase[RedisStreamSettings, Re
                 self.log.warning(
                     "Redis stream %s: could not renew %d lapsed lease(s): %s", self.settings.stream, len(restore), exc
                 )
-        return [entries[i] for i in keep], [counts[i] for i in keep]
+        return keep
 
     async def _connect_with_retries(self) -> None:
         """Connect and check the group; a server that does not answer is retried like a receive."""
-        errors = ErrorStreak(_RECEIVE_BACKOFF, limit=_RECEIVE_ERROR_LIMIT)
+        errors = ErrorStreak(_RECEIVE_BACKOFF, limit=RECEIVE_ERROR_LIMIT)
         while True:
             try:
                 await self._connect()

@@ -69,24 +69,29 @@ re-sends the body exactly as received.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections import Counter
-from collections.abc import AsyncIterator, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 from airflow_shared_stream_provider._core.attempts import MessageCounts
 from airflow_shared_stream_provider._core.dead_letter import dead_letter_fields, disown_dead_letter_names, xml_text
 from airflow_shared_stream_provider._core.dispositions import Decision, Disposition
-from airflow_shared_stream_provider._core.envelope import StreamMessage
 from airflow_shared_stream_provider._core.errors import BrokerHandleClosedError
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.logsafe import REASON_LOG_LIMIT, log_safe
-from airflow_shared_stream_provider._core.producer import Decided, Delivery, SharedStreamProducerBase
-from airflow_shared_stream_provider._core.retry import Backoff, ErrorStreak, chunks
-from airflow_shared_stream_provider._core.tasks import best_effort, cancel_and_wait
+from airflow_shared_stream_provider._core.producer import (
+    RECEIVE_BACKOFF,
+    UNSENT,
+    Decided,
+    Delivery,
+    Received,
+    SharedStreamProducerBase,
+)
+from airflow_shared_stream_provider._core.retry import Backoff, chunks
+from airflow_shared_stream_provider._core.tasks import best_effort
 from airflow_shared_stream_provider.producers.sqs_client import (
     AWS_ERRORS,
     LEASE_GONE_CODES,
@@ -103,13 +108,11 @@ from airflow_shared_stream_provider.triggers.sqs import SqsStreamSettings
 # SqsAdvanceError lives with the batch calls in sqs_client; it stays importable from here.
 __all__ = ["SqsAdvanceError", "SqsDelivery", "SqsSharedStreamProducer"]
 
-_RECEIVE_ERROR_LIMIT: Final = 5
-_RECEIVE_BACKOFF: Final = Backoff(1.0, cap=16.0)
+# The waits between failed receives (read at each stream's start: tests shorten them).
+_RECEIVE_BACKOFF: Final = RECEIVE_BACKOFF
 _CLOSE_RELEASE_TIMEOUT: Final = 5.0
 _HOLD_MEMORY: Final = 10_000
 _FIFO_RELEASE: Final = Decision(Disposition.REDELIVER, "released to keep FIFO order behind a redelivered message")
-_UNSENT: Final = StreamMessage({}, 0)
-"""The ``message`` of a delivery whose envelope is still being built (replaced right before its yield)."""
 
 
 @dataclass(slots=True)
@@ -127,6 +130,8 @@ class SqsDelivery(Delivery):
 class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDelivery]):
     """One receive loop per queue for every watcher of the stream; see the module docstring."""
 
+    receive_errors = AWS_ERRORS
+
     max_message_bytes = 1024 * 1024  # since 2025; 256 KiB before
     # A clean stop makes the messages still in flight visible again at once; tests that simulate
     # a crash turn this off (a killed triggerer releases nothing).
@@ -142,7 +147,9 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         self._unsettled: InFlight[str, None] = InFlight(self.counters)
         self._leases: LeaseKeeper[str] | None = None
         self._receive_calls = itertools.count(1)
-        self._receives: dict[asyncio.Task[tuple[float, list[dict[str, Any]]]], int] = {}
+        # The base's receive loop: up to 10 messages a call, concurrent_receives calls in flight.
+        self.max_receive = SQS_BATCH
+        self.concurrent_receives = settings.concurrent_receives
         # FIFO: group -> the receive call whose messages must not be deleted past a released one.
         self._fences: dict[str, int] = {}
         # FIFO: group -> its messages received and not yet advanced (a whole receive call is counted
@@ -171,16 +178,16 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         """Batch mode: one batch lane per FIFO message group; a standard queue's messages share one."""
         return ("group", broker_payload.group_id) if self._fifo else None
 
-    # -- connection (the AWS side: sqs_client.py) ----------------------------------------------
+    # -- receive (the loop is the base's: these are its hooks) ---------------------------------
     async def _connect(self) -> Any:
         return await self._api.connect()
 
-    # -- receive -------------------------------------------------------------------------------
-    async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
-        settings = self.settings
+    async def _connect_broker(self) -> None:
         self._client = await self._connect()
         self._dlq_fifo = await self._api.check_queues(self._client, fifo=self._fifo)
-        await self.cohort_ready()
+
+    def _receiving(self) -> None:
+        settings = self.settings
         visibility = settings.visibility_timeout
         self._leases = self._unsettled.keep_leases(
             LeaseKeeper(
@@ -192,62 +199,48 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
                 name=f"sqs-lease-keeper[{settings.queue_name}]",
             )
         )
-        receives = self._receives
-        errors = ErrorStreak(_RECEIVE_BACKOFF, limit=_RECEIVE_ERROR_LIMIT)
-        try:
-            while True:
-                # Up to concurrent_receives calls in flight, together never asking for more than the credit.
-                available = self.credit() - sum(receives.values())
-                while len(receives) < settings.concurrent_receives and available > 0:
-                    count = min(SQS_BATCH, available)
-                    task = asyncio.create_task(
-                        self._api.receive(self._client, count), name=f"sqs-receive[{settings.queue_name}]"
-                    )
-                    receives[task] = count
-                    available -= count
-                if not receives:
-                    await self.wait_for_credit()
-                    continue
-                done, _ = await asyncio.wait(receives, return_when=asyncio.FIRST_COMPLETED)
-                # Hand out completed calls in the order they were started.
-                for task in [t for t in receives if t in done]:
-                    del receives[task]
-                    try:
-                        started, messages = task.result()
-                    except AWS_ERRORS as exc:
-                        cause = f"ReceiveMessage failed: {self._api.explain(exc, settings.queue_url)}"
-                        if not is_transient(exc):
-                            raise self._api.config_error(cause, exc) from exc
-                        delay = errors.failed()
-                        if delay is None:
-                            # A broker outage that outlasted the error streak: transient, not a setting.
-                            raise self._api.unavailable_error(
-                                f"{cause}; {errors.count} failures in a row", exc
-                            ) from exc
-                        self.log.warning("SQS receive failed (%s); retrying in %.0f s", exc, delay)
-                        await asyncio.sleep(delay)
-                        continue
-                    errors.reset()
-                    if not messages:
-                        self.deferred.release_all()  # quiet queue: hold nothing (see _core/release.py)
-                        continue
-                    self.counters.add("received", len(messages))
-                    call = next(self._receive_calls)
-                    if not self._fifo:
-                        self._call_left[call] = len(messages)
-                    lease_ends = started + visibility
-                    if self._fifo:
-                        self._group_in_flight.update(
-                            (raw.get("Attributes") or {}).get("MessageGroupId") or "" for raw in messages
-                        )
-                    for raw in messages:
-                        delivery = self._delivery(raw, call)
-                        self._unsettled.add(delivery.receipt_handle, None, lease_expires_at=lease_ends)
-                        envelope, forced = self._envelope(raw, delivery)
-                        delivery.message = msg = self.stream_message(envelope, forced, delivery.body)
-                        yield msg, delivery
-        finally:
-            await self._cancel_receives()
+
+    async def _receive(self, count: int) -> Received:
+        started, messages = await self._api.receive(self._client, count)
+        return Received(messages, started=started)
+
+    def _receive_backoff(self) -> Backoff:
+        return _RECEIVE_BACKOFF
+
+    def _fatal_receive_error(self, exc: BaseException) -> Exception | None:
+        if is_transient(exc):
+            return None
+        return self._api.config_error(self._receive_cause(exc), exc)
+
+    def _receive_outage(self, exc: BaseException, failures: int) -> Exception:
+        # A broker outage that outlasted the error streak: transient, not a setting.
+        return self._api.unavailable_error(f"{self._receive_cause(exc)}; {failures} failures in a row", exc)
+
+    def _receive_cause(self, exc: BaseException) -> str:
+        return f"ReceiveMessage failed: {self._api.explain(exc, self.settings.queue_url)}"
+
+    async def _admit(self, received: list[Any]) -> list[Any]:
+        """A receive call's number (its lane on a standard queue) and what it brought per group / call."""
+        if not received:
+            return received
+        assert isinstance(received, Received)
+        received.number = call = next(self._receive_calls)
+        if self._fifo:
+            self._group_in_flight.update((raw.get("Attributes") or {}).get("MessageGroupId") or "" for raw in received)
+        else:
+            self._call_left[call] = len(received)
+        return received
+
+    def _to_delivery(
+        self, raw: dict[str, Any], received: list[Any]
+    ) -> tuple[SqsDelivery, dict[str, Any], str | None, object]:
+        assert isinstance(received, Received)
+        delivery = self._delivery(raw, received.number)
+        self._unsettled.add(
+            delivery.receipt_handle, None, lease_expires_at=received.started + self.settings.visibility_timeout
+        )
+        envelope, forced = self._envelope(raw, delivery)
+        return delivery, envelope, forced, delivery.body
 
     def _delivery(self, raw: dict[str, Any], call: int) -> SqsDelivery:
         attributes = raw.get("Attributes") or {}
@@ -257,7 +250,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
         if held:
             attempt = max(1, attempt - held)
         return SqsDelivery(
-            _UNSENT,
+            UNSENT,
             attempt,
             str(raw["ReceiptHandle"]),
             message_id,
@@ -277,11 +270,6 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
             group_id=delivery.group_id,
         )
         return self.envelope(**fields, delivery_attempt=delivery.delivery_attempt)
-
-    async def _cancel_receives(self) -> None:
-        tasks = list(self._receives)
-        self._receives.clear()
-        await cancel_and_wait(*tasks)
 
     # -- leases --------------------------------------------------------------------------------
     async def _renew(self, handles: Sequence[str], lease_seconds: float) -> Sequence[str]:
@@ -505,7 +493,7 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
     # -- close ---------------------------------------------------------------------------------
     async def _close(self) -> None:
         try:
-            await self._cancel_receives()
+            await self._end_receives()
             await self._unsettled.stop()
             held_back = [delivery for deliveries in self._deferred.values() for delivery in deliveries]
             self._deferred.clear()
