@@ -129,8 +129,6 @@ TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
 POSITION_LOOKUP_TIMEOUT = 10.0
 REWIND_DRAIN_TIMEOUT = 15.0
 POSITION_FLUSH_TIMEOUT = 3.0
-# Stored positions read longer ago than this when the stream places its watchers are read again.
-POSITION_REREAD_AGE = 1.0
 _log = logging.getLogger(__name__)
 
 
@@ -261,32 +259,6 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         await self._producer._on_assigned(set(assigned))
-
-
-class _Departures:
-    """
-    Watchers that left, followed on the lanes (``positions.Departures``; see _core/positions.py).
-
-    Not in batch mode: there a message can be read (``Lane.next_read`` passed it) and still be
-    forming a batch when a watcher leaves, so it is broadcast without the watcher, and the
-    watcher's bound would pass it. Such a watcher keeps the position it had when it left.
-    """
-
-    def __init__(self, producer: KafkaSharedStreamProducer) -> None:
-        self._producer = producer
-
-    def depart(self, member: PositionMember) -> bool:
-        if self._producer.batching:
-            return False
-        marked = [lane.depart(member.number) for lane in self._producer._lanes.values()]
-        return any(marked)
-
-    def settled(self, member: PositionMember) -> bool:
-        return all(lane.departure_settled(member.number) for lane in self._producer._lanes.values())
-
-    def forget(self, member: PositionMember) -> None:
-        for lane in self._producer._lanes.values():
-            lane.departed.pop(member.number, None)
 
 
 class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, KafkaMessage]):
@@ -499,7 +471,6 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         below its own position (it fired those already).
         """
         positions = self.gate.positions
-        positions.refresh(older_than=POSITION_REREAD_AGE)  # read before a long cohort wait: maybe stale
         await positions.wait_lookups(timeout=POSITION_LOOKUP_TIMEOUT)
         members = positions.take_placeable(everyone=True)
         tps = list(self._lanes)
@@ -535,7 +506,6 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         for member in members:
             member.placed = True
         positions.positions_of = self._positions_of
-        positions.departures = _Departures(self)
         self.log.info(
             "Kafka shared stream %s placed %d watcher(s): %s",
             self.source_label(),
@@ -558,18 +528,12 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         behind: dict[TopicPartition, dict[int, int]] = {}
         for tp, lane in self._lanes.items():
             next_read = lane.next_read()
-            # A watcher without a position starts now; its threshold is the lane's position, not
-            # the read end: it took what was read since it subscribed (before this placement), and
-            # a position written at its threshold (_positions_of) must not pass those unpersisted.
-            now = lane.position()
             stored = self._usable_positions(tp, members, end=ends.get(tp))
             thresholds = {n: first for n, first in lane.thresholds.items() if n in positions.members}
             for member in members:
                 first = stored.get(member.number)
-                if first is None:
-                    thresholds[member.number] = next_read if now is None else min(now, next_read)
-                elif first >= next_read:
-                    thresholds[member.number] = first
+                if first is None or first >= next_read:
+                    thresholds[member.number] = next_read if first is None else first
                 else:
                     behind.setdefault(tp, {})[member.number] = first
             lane.set_thresholds(thresholds)
@@ -603,12 +567,6 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         start = min(thresholds.values())
         rewound = Lane.placed(next(_epochs), start, attempts=dict(lane.attempts), thresholds=thresholds)
         rewound.dead = set(lane.dead)
-        for number in lane.departed:
-            # What the rewound lane re-reads is broadcast without it: its position here stops
-            # where the old lane had it (a mark whose threshold is its bound: settled).
-            frozen = lane.departed_position(number)
-            if frozen is not None:
-                rewound.departed[number] = [frozen, frozen]
         self._lanes[tp] = rewound
         consumer.seek(tp, start)
         self.counters.add("rewinds")
@@ -642,22 +600,16 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
     def _positions_of(self, member: PositionMember) -> dict[str, int] | None:
         """
         What to store for ``member``: per lane, ``lane.position()`` once the member's threshold is
-        at or below it (it received everything in between), else its threshold (it had everything
-        below; a rewind for a late sibling put the lane behind it). A member that left: see
-        :meth:`Lane.departed_position`. A lane it was never placed on: what it had (see the
-        invariant in _core/positions.py).
+        at or below it (it received everything in between), else what it had (see the invariant in
+        _core/positions.py).
         """
         out: dict[str, int] = {}
         for tp, lane in self._lanes.items():
             label = self._label(tp)
-            departed = lane.departed_position(member.number) if lane.departed else None
-            if departed is not None:
-                out[label] = departed
-                continue
             first = lane.thresholds.get(member.number)
-            if first is not None:
-                position = lane.position()
-                out[label] = first if position is None else max(first, position)
+            position = lane.position()
+            if first is not None and position is not None and first <= position:
+                out[label] = position
                 continue
             kept = member.written.get(label)
             if kept is None and member.stored:
@@ -685,8 +637,6 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                     await self._place_late(consumer)
                 if positions.write_due(write_interval):
                     positions.schedule_write(self._positions_of)
-                elif positions.departed and positions.departed_write_due():
-                    positions.schedule_write(self._positions_of, departed_only=True)
             credit = await self._credit_or_keepalive(consumer)
             if credit == 0:
                 continue
@@ -1036,8 +986,6 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             # lag by up to position_interval, which costs duplicates, never loss).
             await gate.positions.flush(self._positions_of, timeout=POSITION_FLUSH_TIMEOUT)
             gate.positions.positions_of = None
-            gate.positions.departures = None
-            gate.positions.departed.clear()  # their lanes are gone: what was written stays
         try:
             await self._close_clients()
         finally:
