@@ -55,6 +55,8 @@ from devkit.demo_types import KAFKA_DAG_FILES, Settlement
 from devkit.demo_types import TOPIC as TOPIC
 from devkit.demo_types import WATCHERS as WATCHERS
 from devkit.demo_types import OrderMessage as OrderMessage
+from devkit.latency import measure as measure_latency
+from devkit.latency import render_lines as latency_lines
 from devkit.spark_cluster import SparkCluster
 
 if TYPE_CHECKING:
@@ -479,6 +481,11 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         say(f"  settled            : {settlement.settled} of {settlement.total}: {settlement.detail}")
         say(f"  dead-lettered      : {snapshot.dlq} (expected {expected_dlq}) in {stream.dlq_label}")
+        # This run's own latency, from the broker's publish stamp (envelope published_at) to the
+        # metadata DB's asset event, Dag run, task start and the Parquet write (aggregate's end).
+        latency = measure_latency(env, asset=valid_watcher, dag_id=stream.spark_dag, watchers=watchers)
+        for line in latency_lines(latency):
+            say(f"  {line}")
         say(f"  result             : {'OK' if ok else 'INCOMPLETE (timed out)'}")
         exit_code = 0 if ok else 1
         if args.keep:

@@ -81,3 +81,20 @@ def test_the_demo_runs_the_example_dags_end_to_end(
     fired = re.search(rf"messages delivered {broker}_orders_valid\s+: (\d+)", completed.stdout)
     assert fired is not None and int(fired.group(1)) >= valid  # at least once: a redelivery may repeat one
     assert f"'order_lines': {valid}," in completed.stdout  # the PySpark pipeline wrote every valid order once
+    # The summary's latency of this run (devkit.latency): every hop of the PySpark pipeline and
+    # publish -> event per watcher, each with p50 <= p95 <= max, none negative (one clock, and the
+    # broker's publish stamp precedes the event it caused); "-" (no message) does not match.
+    latency = {
+        m["name"]: (float(m["p50"]), float(m["p95"]), float(m["max"]), int(m["n"]))
+        for m in re.finditer(
+            r"^  latency (?P<name>publish->event \S+|\S+->\S+)\s*: p50 (?P<p50>-?[\d.]+) ms  "
+            r"p95 (?P<p95>-?[\d.]+) ms  max (?P<max>-?[\d.]+) ms  \(n=(?P<n>\d+)\)",
+            completed.stdout,
+            re.MULTILINE,
+        )
+    }
+    watchers = re.findall(r"^  messages delivered (\S+)\s*:", completed.stdout, re.MULTILINE)
+    hops = ["publish->event", "event->queued", "queued->started", "started->written", "publish->written"]
+    assert len(watchers) == 4 and set(latency) == {*hops, *(f"publish->event {w}" for w in watchers)}, latency
+    assert all(0.0 <= p50 <= p95 <= top and n > 0 for p50, p95, top, n in latency.values()), latency
+    assert latency[f"publish->event {broker}_orders_valid"][3] == valid  # one per valid message, copies merged

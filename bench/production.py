@@ -1,0 +1,831 @@
+"""
+The chaos run: the production topology of ``devkit.production`` under steady orders while a
+schedule breaks it, then the checks a user makes on the output tables. Not a test (the short
+variant runs in CI: tests/e2e/test_production.py). From the repository root::
+
+    .venv/bin/python -m bench.production --brokers kafka,sqs,pubsub,redis --minutes 30 --rate 2
+    .venv/bin/python -m bench.production --brokers kafka --minutes 3 --rate 2 --chaos once   # CI's shape
+    .venv/bin/python -m bench.production --brokers kafka --minutes 10 --rate 10 --stress 2   # starved
+
+What happens:
+
+* **orders**: one publisher thread per broker sends ``--rate`` messages per second for ``--minutes``
+  (one ``publish`` call per second). Every 20th message is malformed (broken JSON, a JSON array, an
+  order without ``amount``); every 25th valid order is published **twice** (the same bytes: a
+  retrying publisher), which the broker gives two message ids. Each order's ``created_at`` is its
+  send time (so "revenue per region and minute" is per real minute) and ``sent_at`` the same as
+  epoch seconds, for latency.
+* **chaos** (``--chaos``): ``once`` runs each action once, evenly spaced over the first 80 % of the
+  window; ``loop`` cycles through them every ``--chaos-every`` seconds; ``none``. The actions:
+  ``kill-triggerer`` (``kill -9`` of the first triggerer's process group, started again 3 s later,
+  as a supervisor would), ``kill-scheduler`` (the same), ``kill-spark-worker`` (waits until a
+  pipeline's ``aggregate`` task runs and its application is on the master, ``kill -9`` of worker 1
+  with its executors, started again 10 s later), ``pause-dag`` (pauses every broker's
+  ``..._orders_eu_consumer`` Dag at once for ``--pause-seconds``) and ``restart-dag-processor``.
+* **the end** (after ``--drain-timeout`` at most): for each broker,
+
+  * every watcher has an asset event for every message it must fire on (lost 0 per watcher), except
+    what its Dag's pause window explains: counted apart as ``missed_while_paused``;
+  * the output table ``order_lines`` holds every valid order **exactly once** (0 missing, 0 twice,
+    keyed on ``order_id``), and the revenue per region and minute equals what was published, to
+    the cent;
+  * every malformed message is in the dead-letter destination (``dead_lettered >= malformed``);
+  * the broker is settled (nothing unacked, in flight or uncommitted);
+  * how many events each pipeline run took (the scheduler merges events that arrive while a run is
+    queued or running: Airflow 3.3's ``triggering_asset_events`` of one run hold all of them).
+
+* **latency**, per broker, of the pipeline's path: publish -> asset event stored -> Dag run queued
+  -> ``extract`` task started -> ``aggregate`` finished (its last act is the Parquet write: "row
+  written"); p50 / p95 / max over all orders and the p95 per 5-minute window of publish time.
+  ``publish -> asset event`` is also given for every watcher.
+
+Results: printed, and written as JSON to ``--out`` (default ``bench/results/production-<UTC
+date-time>-<brokers>.json``). Exit code 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Final
+
+from devkit.demo import (
+    REGIONS,
+    OrderMessage,
+    expected_watchers,
+    make_order,
+    spark_revenue,
+)
+from devkit.demo_streams import DemoStream
+from devkit.latency import Hops, summary, to_epoch
+from devkit.production import UPSTREAM_ASSET, UPSTREAM_DAG, ProductionTopology
+
+ROOT: Final = Path(__file__).resolve().parent.parent
+RESULTS: Final = ROOT / "bench" / "results"
+MALFORMED_EVERY: Final = 20
+DUPLICATE_EVERY: Final = 25
+ACTIONS: Final = ("kill-triggerer", "kill-scheduler", "kill-spark-worker", "pause-dag", "restart-dag-processor")
+CHECK_COLUMNS: Final = (
+    "broker",
+    "published",
+    "valid orders",
+    "duplicates",
+    "malformed",
+    "lost (per watcher)",
+    "missed while paused",
+    "redelivered",
+    "output missing",
+    "output twice",
+    "revenue groups wrong",
+    "dead-lettered",
+    "settled",
+    "runs (max events/run)",
+    "ok",
+)
+WINDOW_SECONDS: Final = 300.0  # latency p95 is also given per window of publish time
+
+
+# -- the orders -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sent:
+    """One message a publisher handed to its broker (``order_id`` None: broken JSON, no identity)."""
+
+    order_id: str | None
+    message: OrderMessage
+    sent_at: float
+    duplicate: bool = False
+
+
+def orders_for_tick(broker: str, start_seq: int, count: int, now: float, rng: random.Random) -> list[OrderMessage]:
+    """``count`` messages numbered from ``start_seq``: valid orders, every 20th malformed, every 25th valid twice."""
+    created = datetime.fromtimestamp(now, tz=timezone.utc)
+    out: list[OrderMessage] = []
+    for seq in range(start_seq, start_seq + count):
+        order_id = f"{broker}-{seq:07d}"
+        if seq % MALFORMED_EVERY == MALFORMED_EVERY - 1:
+            variant = (seq // MALFORMED_EVERY) % 3
+            if variant == 0:
+                value = b'{"order_id": "' + order_id.encode() + b'", "region":'
+                out.append(OrderMessage(order_id.encode(), value, "malformed-json"))
+            elif variant == 1:
+                out.append(OrderMessage(order_id.encode(), json.dumps([order_id, "eu", 12]).encode(), "not-an-order"))
+            else:
+                body = {"order_id": order_id, "region": "eu", "created_at": created.isoformat(), "sent_at": now}
+                out.append(OrderMessage(order_id.encode(), json.dumps(body).encode(), "not-an-order"))
+            continue
+        region = REGIONS[rng.randrange(len(REGIONS))]
+        amount = rng.choice([rng.uniform(5, 499), rng.uniform(500, 2000)])
+        message = make_order(order_id, region, amount, created, sent_at=now)
+        out.append(message)
+        if seq % DUPLICATE_EVERY == 0:
+            out.append(message)  # the same bytes again: a publisher's retry
+    return out
+
+
+def identity(message: OrderMessage) -> str | None:
+    body = message.body()
+    return str(body["order_id"]) if isinstance(body, dict) and isinstance(body.get("order_id"), str) else None
+
+
+class Publisher(threading.Thread):
+    """Publishes one broker's orders at ``rate`` per second, one ``publish`` call per second."""
+
+    def __init__(self, broker: str, stream: DemoStream[Any], rate: float, seconds: float, seed: int) -> None:
+        super().__init__(name=f"publisher-{broker}", daemon=True)
+        self.broker, self.stream, self.rate, self.seconds = broker, stream, rate, seconds
+        self.rng = random.Random(seed)
+        self.sent: list[Sent] = []
+        self.errors: list[str] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        seq = 0
+        tick = 0
+        while not self.stop_event.is_set() and time.monotonic() - started < self.seconds:
+            due = int(self.rate * (tick + 1)) - int(self.rate * tick)  # fractional rates average out
+            now = time.time()
+            batch = orders_for_tick(self.broker, seq, due, now, self.rng)
+            seq += due
+            try:
+                self.stream.publish(batch)
+            except Exception as exc:  # a failed send: recorded, the run's checks say what it cost
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+            else:
+                seen: set[str] = set()
+                for message in batch:
+                    order_id = identity(message)
+                    self.sent.append(Sent(order_id, message, now, duplicate=order_id in seen))
+                    if order_id:
+                        seen.add(order_id)
+            tick += 1
+            delay = started + tick - time.monotonic()
+            if delay > 0:
+                self.stop_event.wait(delay)
+
+
+# -- chaos ----------------------------------------------------------------------------------------
+@dataclass
+class ChaosLog:
+    events: list[dict[str, Any]] = field(default_factory=list)
+    # broker -> (paused at, watcher running again at), epoch seconds
+    pauses: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
+
+    def add(self, action: str, started: float, **detail: Any) -> None:
+        self.events.append(
+            {"action": action, "at": round(started, 3), "took_s": round(time.time() - started, 1), **detail}
+        )
+
+
+class Chaos(threading.Thread):
+    """Runs the schedule of actions against the topology (see the module docstring)."""
+
+    def __init__(
+        self,
+        topology: ProductionTopology,
+        schedule: Sequence[tuple[float, str]],
+        pause_seconds: float,
+        say: Callable[[str], None],
+    ) -> None:
+        super().__init__(name="chaos", daemon=True)
+        self.topology, self.schedule, self.pause_seconds, self.say = topology, schedule, pause_seconds, say
+        self.log = ChaosLog()
+        self.errors: list[str] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        for at, action in self.schedule:
+            delay = started + at - time.monotonic()
+            if delay > 0 and self.stop_event.wait(delay):
+                return
+            self.say(f"chaos: {action}")
+            try:
+                getattr(self, "do_" + action.replace("-", "_"))()
+            except Exception as exc:  # an action that could not run is a finding, not a crash
+                self.errors.append(f"{action}: {type(exc).__name__}: {exc}")
+                self.say(f"chaos: {action} failed: {exc}")
+
+    def _kill_and_restart(self, name: str, down_seconds: float) -> dict[str, Any]:
+        env = self.topology.env
+        component = env.components[name]
+        pid = component.pid
+        env.kill(name)
+        time.sleep(down_seconds)
+        component.start()
+        return {"component": name, "killed_pid": pid}
+
+    def do_kill_triggerer(self) -> None:
+        started = time.time()
+        self.log.add("kill-triggerer", started, **self._kill_and_restart("triggerer", 3.0))
+
+    def do_kill_scheduler(self) -> None:
+        started = time.time()
+        self.log.add("kill-scheduler", started, **self._kill_and_restart("scheduler", 3.0))
+
+    def do_restart_dag_processor(self) -> None:
+        started = time.time()
+        self.topology.env.restart("dag-processor")
+        self.log.add("restart-dag-processor", started)
+
+    def do_kill_spark_worker(self) -> None:
+        cluster = self.topology.spark_cluster
+        started = time.time()
+        if cluster is None:
+            self.log.add("kill-spark-worker", started, skipped="Spark runs local[2] in the task")
+            return
+        # During a job: wait (up to 5 min) until some pipeline's ``aggregate`` task runs and its
+        # application is on the master (then its executors are on the workers).
+        deadline = time.monotonic() + 300
+        apps: list[dict[str, Any]] = []
+        running: list[tuple[Any, ...]] = []
+        while time.monotonic() < deadline and not self.stop_event.is_set():
+            running = self.topology.env.query_db(
+                "SELECT dag_id, run_id FROM task_instance WHERE task_id = 'aggregate' AND state = 'running'"
+            )
+            apps = cluster.applications(completed=False) if running else []
+            if running and apps:
+                break
+            time.sleep(0.5)
+        worker = cluster.processes["worker-1"]
+        process = worker.process
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        time.sleep(10)
+        worker.start()
+        self.log.add(
+            "kill-spark-worker",
+            started,
+            during_task=[f"{dag_id} {run_id}" for dag_id, run_id in running] or None,
+            during_application=[str(app.get("name")) for app in apps] or None,
+        )
+
+    def do_pause_dag(self) -> None:
+        # Every broker's eu consumer at once: what a pause costs differs per broker (Kafka's
+        # watcher positions replay for a watcher that comes back; a queue's messages are gone).
+        env = self.topology.env
+        streams = self.topology.streams
+        dag_ids = [stream.consumer_dags[0] for stream in streams.values()]
+        watchers = [stream.watchers[0] for stream in streams.values()]
+        started = time.time()
+        env.pause(dag_ids)
+        self.stop_event.wait(self.pause_seconds)
+        env.unpause(dag_ids)
+        env.wait_for_watchers(watchers, timeout=300)
+        ended = time.time()
+        for broker in streams:
+            self.log.pauses[broker].append((started, ended))
+        self.log.add("pause-dag", started, dag_ids=dag_ids, paused_s=round(ended - started, 1))
+
+
+def chaos_schedule(mode: str, seconds: float, every: float, actions: Sequence[str]) -> list[tuple[float, str]]:
+    """``(seconds after the start, action)``: nothing in the last 20 % of the window (the tail drains)."""
+    if mode == "none" or not actions:
+        return []
+    usable = seconds * 0.8
+    if mode == "once":
+        step = usable / (len(actions) + 1)
+        return [(step * (index + 1), action) for index, action in enumerate(actions)]
+    schedule: list[tuple[float, str]] = []
+    at, index = every, 0
+    while at < usable:
+        schedule.append((at, actions[index % len(actions)]))
+        at += every
+        index += 1
+    return schedule
+
+
+# -- what the metadata DB and the output hold -----------------------------------------------------
+def _as_dict(value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = json.loads(value)
+    return value if isinstance(value, dict) else {}
+
+
+def _epoch(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        moment = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+        return moment.timestamp()
+    text = str(value).replace("Z", "+00:00")
+    moment = datetime.fromisoformat(text)
+    return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def envelopes(extra: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The envelopes of an event's ``extra`` (ours: one, or ``messages`` in batch mode; upstream: the text)."""
+    payload = extra.get("payload") if extra.get("from_trigger") else extra
+    if isinstance(payload, str):  # the upstream Kafka provider's payload is the message text
+        with contextlib.suppress(ValueError):
+            return [{"body": json.loads(payload)}]
+        return []
+    if not isinstance(payload, dict) or payload.get("marker"):
+        return []
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        return [m for m in messages if isinstance(m, dict)]
+    return [payload] if payload.get("message_id") else []
+
+
+def body_order_id(envelope: Mapping[str, Any]) -> str | None:
+    body = envelope.get("body")
+    return str(body["order_id"]) if isinstance(body, dict) and isinstance(body.get("order_id"), str) else None
+
+
+@dataclass
+class Deliveries:
+    """One watcher's asset events: each order's first event time (epoch), and every copy counted."""
+
+    first: dict[str, float] = field(default_factory=dict)
+    copies: int = 0
+
+
+def delivered_per_watcher(topology: ProductionTopology, broker: str) -> dict[str, Deliveries]:
+    out: dict[str, Deliveries] = {}
+    for watcher in topology.streams[broker].watchers:
+        seen = Deliveries()
+        for event in topology.env.asset_events(watcher):
+            stamp = _epoch(event.get("timestamp"))
+            for envelope in envelopes(_as_dict(event.get("extra"))):
+                order_id = body_order_id(envelope)
+                if order_id and stamp is not None:
+                    seen.copies += 1
+                    seen.first.setdefault(order_id, stamp)
+        out[watcher] = seen
+    return out
+
+
+def run_times(topology: ProductionTopology, dag_id: str, first_task: str, last_task: str) -> dict[str, Hops]:
+    """``run_id -> Hops(queued, started, written)`` of every run of ``dag_id`` (epoch seconds)."""
+    rows = topology.env.query_db(
+        "SELECT dr.run_id, dr.queued_at, tf.start_date, tl.end_date FROM dag_run dr "
+        "LEFT JOIN task_instance tf ON tf.dag_id = dr.dag_id AND tf.run_id = dr.run_id AND tf.task_id = ? "
+        "LEFT JOIN task_instance tl ON tl.dag_id = dr.dag_id AND tl.run_id = dr.run_id AND tl.task_id = ? "
+        "WHERE dr.dag_id = ?",
+        (first_task, last_task, dag_id),
+    )
+    return {
+        str(run_id): Hops(queued=to_epoch(queued), started=to_epoch(started), written=to_epoch(written))
+        for run_id, queued, started, written in rows
+    }
+
+
+def batch_id_for(run_id: str) -> str:
+    """The pipeline's partition name of a run (example_dags/orders_spark.batch_id_for)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
+
+
+def pipeline_hops(topology: ProductionTopology, broker: str) -> dict[str, Hops]:
+    """
+    Per order in the output table: its first asset event (the pipeline's watcher), and the run
+    that **wrote** it (its ``batch_id``): queued, ``extract`` started, ``aggregate`` ended.
+
+    Read from the table rather than from the runs' triggering events: a run also processes the
+    events stored since the previous success (example_dags/orders_spark.events_to_process), so
+    the run that wrote an order is not always one its event triggered.
+    """
+    import pyarrow.dataset as ds
+
+    stream = topology.streams[broker]
+    runs = {
+        batch_id_for(run_id): hop
+        for run_id, hop in run_times(topology, stream.spark_dag, "extract", "aggregate").items()
+    }
+    events = delivered_per_watcher(topology, broker)[stream.watcher_name("kafka_orders_valid")].first
+    path = topology.output_dir / broker / "order_lines"
+    if not path.exists() or not any(path.glob("batch_id=*/*.parquet")):
+        return {}
+    table = ds.dataset(str(path), format="parquet", partitioning="hive").to_table(columns=["order_id", "batch_id"])
+    hops: dict[str, Hops] = {}
+    for row in table.to_pylist():
+        run = runs.get(str(row["batch_id"]), Hops())
+        order_id = str(row["order_id"])
+        hops[order_id] = Hops(event=events.get(order_id), queued=run.queued, started=run.started, written=run.written)
+    return hops
+
+
+def pipeline_run_stats(topology: ProductionTopology, broker: str) -> tuple[int, int]:
+    """(runs of the pipeline, most asset events one run was created for): the scheduler's merging."""
+    stream = topology.streams[broker]
+    rows = topology.env.query_db(
+        "SELECT dr.id, count(d.event_id) FROM dag_run dr LEFT JOIN dagrun_asset_event d ON d.dag_run_id = dr.id "
+        "WHERE dr.dag_id = ? GROUP BY dr.id",
+        (stream.spark_dag,),
+    )
+    return len(rows), max((int(count) for _, count in rows), default=0)
+
+
+def upstream_hops(topology: ProductionTopology) -> dict[str, Hops]:
+    """Per order, upstream's first event and the run its event fed (upstream's Dag has one task)."""
+    rows = topology.env.query_db(
+        "SELECT e.timestamp, e.extra, dr.queued_at, ti.start_date, ti.end_date "
+        "FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+        "LEFT JOIN dagrun_asset_event d ON d.event_id = e.id "
+        "LEFT JOIN dag_run dr ON dr.id = d.dag_run_id AND dr.dag_id = ? "
+        "LEFT JOIN task_instance ti ON ti.dag_id = dr.dag_id AND ti.run_id = dr.run_id AND ti.task_id = ? "
+        "WHERE a.name = ? ORDER BY e.id",
+        (UPSTREAM_DAG, "handle_orders", UPSTREAM_ASSET),
+    )
+    hops: dict[str, Hops] = {}
+    for stamp, extra, queued, started, ended in rows:
+        for envelope in envelopes(_as_dict(extra)):
+            order_id = body_order_id(envelope)
+            if order_id:
+                candidate = Hops(
+                    event=to_epoch(stamp), queued=to_epoch(queued), started=to_epoch(started), written=to_epoch(ended)
+                )
+                hops.setdefault(order_id, Hops()).merge(candidate)
+    return hops
+
+
+def output_order_ids(dataset_dir: Path) -> Counter[str]:
+    """``order_id -> rows`` in the pipeline's ``order_lines`` Parquet dataset (pyarrow: no JVM)."""
+    import pyarrow.dataset as ds
+
+    path = dataset_dir / "order_lines"
+    if not path.exists() or not any(path.glob("batch_id=*/*.parquet")):
+        return Counter()
+    table = ds.dataset(str(path), format="parquet", partitioning="hive").to_table(columns=["order_id"])
+    return Counter(str(v) for v in table.column("order_id").to_pylist())
+
+
+def published_revenue(sent: Sequence[Sent]) -> dict[tuple[str, str], tuple[int, float]]:
+    """``(region, minute) -> (orders, revenue)`` of the valid orders, each order once."""
+    totals: dict[tuple[str, str], tuple[int, float]] = {}
+    seen: set[str] = set()
+    for item in sent:
+        fired, _ = expected_watchers(item.message)
+        if "kafka_orders_valid" not in fired or item.order_id in seen or item.order_id is None:
+            continue
+        seen.add(item.order_id)
+        body = item.message.body()
+        minute = datetime.fromisoformat(str(body["created_at"]).replace("Z", "+00:00"))
+        key = (str(body["region"]), minute.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M"))
+        orders, revenue = totals.get(key, (0, 0.0))
+        totals[key] = (orders + 1, revenue + float(body["amount"]))
+    return {key: (orders, round(revenue, 2)) for key, (orders, revenue) in totals.items()}
+
+
+# -- checks ---------------------------------------------------------------------------------------
+@dataclass
+class BrokerCheck:
+    broker: str
+    published: int
+    malformed: int
+    duplicates: int
+    valid_orders: int
+    lost: dict[str, int]
+    missed_while_paused: dict[str, int]
+    redelivered: dict[str, int]
+    output_missing: int
+    output_twice: int
+    revenue_groups_wrong: int
+    dead_lettered: int
+    settled: str
+    settled_ok: bool
+    runs: int
+    events_per_run_max: int
+    publish_errors: int
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not any(self.lost.values())
+            and self.output_missing == 0
+            and self.output_twice == 0
+            and self.revenue_groups_wrong == 0
+            and self.dead_lettered >= self.malformed
+            and self.settled_ok
+            and self.publish_errors == 0
+        )
+
+
+def expected_per_watcher(stream: DemoStream[Any], sent: Sequence[Sent]) -> dict[str, dict[str, float]]:
+    """``watcher -> order_id -> sent_at`` of every message the watcher must fire on."""
+    out: dict[str, dict[str, float]] = {name: {} for name in stream.watchers}
+    for item in sent:
+        if item.order_id is None:
+            continue
+        fired, _ = expected_watchers(item.message)
+        for name in fired:
+            out[stream.watcher_name(name)].setdefault(item.order_id, item.sent_at)
+    return out
+
+
+def published_copies(stream: DemoStream[Any], sent: Sequence[Sent], watcher: str) -> int:
+    """How many published messages (duplicated orders count twice) ``watcher`` must fire on."""
+    return sum(
+        1
+        for item in sent
+        if item.order_id is not None
+        and watcher in {stream.watcher_name(name) for name in expected_watchers(item.message)[0]}
+    )
+
+
+def in_pause(moment: float, windows: Sequence[tuple[float, float]]) -> bool:
+    return any(start <= moment <= end for start, end in windows)
+
+
+def check_broker(
+    topology: ProductionTopology, broker: str, publisher: Publisher, pauses: Sequence[tuple[float, float]]
+) -> BrokerCheck:
+    stream = topology.streams[broker]
+    sent = publisher.sent
+    expected = expected_per_watcher(stream, sent)
+    delivered = delivered_per_watcher(topology, broker)
+    paused_watcher = stream.watchers[0]
+    lost: dict[str, int] = {}
+    missed_paused: dict[str, int] = {}
+    for watcher, wanted in expected.items():
+        got = delivered[watcher].first
+        missing = [order_id for order_id in wanted if order_id not in got]
+        windows = pauses if watcher == paused_watcher else ()
+        explained = [order_id for order_id in missing if in_pause(wanted[order_id], windows)]
+        missed_paused[watcher] = len(explained)
+        lost[watcher] = len(missing) - len(explained)
+    valid_ids = set(expected[stream.watcher_name("kafka_orders_valid")])
+    rows = output_order_ids(topology.output_dir / broker)
+    revenue_published = published_revenue(sent)
+    revenue_output = spark_revenue(topology.output_dir / broker)
+    wrong_groups = sum(
+        1
+        for key in set(revenue_published) | set(revenue_output)
+        if revenue_published.get(key) != revenue_output.get(key)
+    )
+    settlement = stream.settlement()
+    runs, most_events = pipeline_run_stats(topology, broker)
+    return BrokerCheck(
+        broker=broker,
+        published=len(sent),
+        malformed=sum(1 for item in sent if expected_watchers(item.message)[1]),
+        duplicates=sum(1 for item in sent if item.duplicate),
+        valid_orders=len(valid_ids),
+        lost=lost,
+        missed_while_paused=missed_paused,
+        # Copies beyond what was published (a duplicated order is two messages: not a redelivery).
+        redelivered={
+            watcher: max(0, seen.copies - published_copies(stream, sent, watcher))
+            for watcher, seen in delivered.items()
+        },
+        output_missing=len(valid_ids - set(rows)),
+        output_twice=sum(1 for count in rows.values() if count > 1),
+        revenue_groups_wrong=wrong_groups,
+        dead_lettered=stream.dead_lettered(),
+        settled=f"{settlement.settled} of {settlement.total}: {settlement.detail}",
+        settled_ok=settlement.complete,
+        runs=runs,
+        events_per_run_max=most_events,
+        publish_errors=len(publisher.errors),
+    )
+
+
+def drained(
+    topology: ProductionTopology, broker: str, publisher: Publisher, pauses: Sequence[tuple[float, float]]
+) -> bool:
+    check = check_broker(topology, broker, publisher, pauses)
+    runs_idle = all(topology.env.dag_idle(dag_id) for dag_id in topology.streams[broker].consumer_dags)
+    return check.ok and runs_idle
+
+
+# -- latency --------------------------------------------------------------------------------------
+def first_sent(publisher: Publisher) -> dict[str, float]:
+    sent_at: dict[str, float] = {}
+    for item in publisher.sent:
+        if item.order_id is not None:
+            sent_at.setdefault(item.order_id, item.sent_at)
+    return sent_at
+
+
+def hop_latency(hops: Mapping[str, Hops], sent_at: Mapping[str, float], started: float) -> dict[str, Any]:
+    """p50 / p95 / max of publish -> each stage, and publish -> written's p95 per window of publish time."""
+    stages: dict[str, list[float]] = defaultdict(list)
+    windows: dict[int, list[float]] = defaultdict(list)
+    for order_id, hop in hops.items():
+        published = sent_at.get(order_id)
+        if published is None:
+            continue
+        for name, value in (
+            ("event", hop.event),
+            ("queued", hop.queued),
+            ("started", hop.started),
+            ("written", hop.written),
+        ):
+            if value is not None:
+                stages[f"publish_to_{name}"].append(value - published)
+        if hop.written is not None:
+            windows[int((published - started) // WINDOW_SECONDS)].append(hop.written - published)
+    return {
+        "pipeline": {name: summary(values) for name, values in stages.items()},
+        "written_p95_ms_per_window": {
+            f"{int(index * WINDOW_SECONDS // 60)}-{int((index + 1) * WINDOW_SECONDS // 60)} min": summary(values)[
+                "p95_ms"
+            ]
+            for index, values in sorted(windows.items())
+        },
+    }
+
+
+def latency(topology: ProductionTopology, broker: str, publisher: Publisher, started: float) -> dict[str, Any]:
+    stream = topology.streams[broker]
+    sent_at = first_sent(publisher)
+    hops = pipeline_hops(topology, broker)
+    per_watcher = {
+        watcher: summary([stamp - sent_at[o] for o, stamp in seen.first.items() if o in sent_at])
+        for watcher, seen in delivered_per_watcher(topology, broker).items()
+    }
+    return {
+        **hop_latency(hops, sent_at, started),
+        "publish_to_event_per_watcher": per_watcher,
+        "watchers": list(stream.watchers),
+    }
+
+
+# -- the run --------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.production", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--brokers", default="kafka,sqs,pubsub,redis")
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--rate", type=float, default=2.0, help="messages per second per broker")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--chaos", choices=("once", "loop", "none"), default="loop")
+    parser.add_argument("--chaos-every", type=float, default=180.0, help="seconds between actions (--chaos loop)")
+    parser.add_argument("--actions", default=",".join(ACTIONS))
+    parser.add_argument("--pause-seconds", type=float, default=60.0)
+    parser.add_argument("--drain-timeout", type=float, default=900.0)
+    parser.add_argument("--spark", choices=("standalone", "local"), default="standalone")
+    parser.add_argument("--stress", type=int, default=0, help="CPU-burning processes beside the topology")
+    parser.add_argument(
+        "--upstream-kafka", action="store_true", help="also the upstream Kafka provider's stream (latency comparison)"
+    )
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--keep-files", action="store_true")
+    return parser.parse_args(argv)
+
+
+@contextlib.contextmanager
+def stressed(workers: int) -> Iterator[None]:
+    if workers <= 0:
+        yield
+        return
+    from devkit.stress import cpu_stress
+
+    with cpu_stress(workers):
+        yield
+
+
+def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[str, Any]:
+    # The checks read the dead-letter topic with aiokafka every few seconds: its INFO lines are noise.
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    brokers = [name.strip() for name in args.brokers.split(",") if name.strip()]
+    actions = [name.strip() for name in args.actions.split(",") if name.strip()]
+    unknown = sorted(set(actions) - set(ACTIONS))
+    if unknown:
+        raise SystemExit(f"unknown chaos actions {unknown}; choose from {', '.join(ACTIONS)}")
+    workdir = Path(tempfile.mkdtemp(prefix="bench-production-"))
+    seconds = args.minutes * 60.0
+    topology = ProductionTopology(
+        brokers=brokers,
+        workdir=workdir,
+        spark=args.spark,
+        batch_size=args.batch_size,
+        upstream_kafka=args.upstream_kafka,
+    )
+    result: dict[str, Any] = {
+        "args": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count()},
+    }
+    publishers: dict[str, Publisher] = {}
+    chaos: Chaos | None = None
+    try:
+        with stressed(args.stress):
+            boot = time.monotonic()
+            say(f"starting the topology in {workdir} ...")
+            topology.start(say=lambda line: say(str(line)))
+            result["startup_s"] = round(time.monotonic() - boot, 1)
+            result["ha_mode"] = topology.ha_mode
+            say(topology.describe())
+            started = time.time()
+            for index, broker in enumerate(brokers):
+                publishers[broker] = Publisher(broker, topology.streams[broker], args.rate, seconds, args.seed + index)
+                publishers[broker].start()
+            schedule = chaos_schedule(args.chaos, seconds, args.chaos_every, actions)
+            chaos = Chaos(topology, schedule, args.pause_seconds, say)
+            chaos.start()
+            while any(p.is_alive() for p in publishers.values()):
+                time.sleep(min(30.0, max(1.0, seconds / 10)))
+                topology.env.check_alive()
+                say(
+                    f"  t={time.time() - started:6.0f}s published "
+                    + ", ".join(f"{b}={len(p.sent)}" for b, p in publishers.items())
+                )
+            # The schedule lies inside the publish window, but an action may wait (a Spark job, a
+            # pause): let the last one finish before the drain starts.
+            chaos.join(timeout=900)
+            publish_end = time.time()
+            say("publishing done; draining ...")
+            deadline = time.monotonic() + args.drain_timeout
+            pending = set(brokers)
+            while pending and time.monotonic() < deadline:
+                topology.env.check_alive()
+                pending = {b for b in pending if not drained(topology, b, publishers[b], chaos.log.pauses[b])}
+                if pending:
+                    time.sleep(10)
+            result["drain_s"] = round(time.time() - publish_end, 1)
+            result["drained"] = not pending
+            checks = {b: check_broker(topology, b, publishers[b], chaos.log.pauses[b]) for b in brokers}
+            result["checks"] = {b: {**vars(c), "ok": c.ok} for b, c in checks.items()}
+            result["latency"] = {b: latency(topology, b, publishers[b], started) for b in brokers}
+            if args.upstream_kafka:
+                # Upstream's Dag has one task: "started" is comparable, "written" is that task's end.
+                hops = upstream_hops(topology)
+                result["latency"]["upstream-kafka"] = {
+                    **hop_latency(hops, first_sent(publishers["kafka"]), started),
+                    "delivered_orders": len(hops),
+                }
+            result["chaos"] = {"events": chaos.log.events, "errors": chaos.errors}
+            result["publish_errors"] = {b: p.errors[:5] for b, p in publishers.items() if p.errors}
+            result["ok"] = all(c.ok for c in checks.values()) and not chaos.errors
+    finally:
+        for publisher in publishers.values():
+            publisher.stop_event.set()
+        if chaos is not None:
+            chaos.stop_event.set()
+        topology.stop()
+        if args.keep_files:
+            say(f"files kept in {workdir}")
+        else:
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+def render(result: Mapping[str, Any]) -> str:
+    lines = [
+        f"production chaos run: {result['args']['brokers']} for {result['args']['minutes']} min at "
+        f"{result['args']['rate']}/s per broker, batch_size {result['args']['batch_size']}, "
+        f"HA mode {result.get('ha_mode')}, startup {result.get('startup_s')} s, drain {result.get('drain_s')} s"
+    ]
+    lines.append("")
+    lines.append("| " + " | ".join(CHECK_COLUMNS) + " |")
+    lines.append("|" + "---|" * len(CHECK_COLUMNS))
+    for broker, c in result.get("checks", {}).items():
+        lines.append(
+            f"| {broker} | {c['published']} | {c['valid_orders']} | {c['duplicates']} | {c['malformed']} | "
+            f"{sum(c['lost'].values())} | {sum(c['missed_while_paused'].values())} | "
+            f"{sum(c['redelivered'].values())} | {c['output_missing']} | "
+            f"{c['output_twice']} | {c['revenue_groups_wrong']} | {c['dead_lettered']} | {c['settled_ok']} | "
+            f"{c['runs']} ({c['events_per_run_max']}) | {c['ok']} |"
+        )
+    lines.append("")
+    lines.append("| broker | hop | n | p50 ms | p95 ms | max ms |")
+    lines.append("|---|---|---|---|---|---|")
+    for broker, lat in result.get("latency", {}).items():
+        for hop, s in lat["pipeline"].items():
+            lines.append(f"| {broker} | {hop} | {s['n']} | {s['p50_ms']} | {s['p95_ms']} | {s['max_ms']} |")
+        windows = ", ".join(f"{w}: {p}" for w, p in lat["written_p95_ms_per_window"].items())
+        lines.append(f"| {broker} | publish_to_written p95 per window | | {windows} | | |")
+    lines.append("")
+    for event in result.get("chaos", {}).get("events", []):
+        lines.append(f"chaos {event}")
+    for error in result.get("chaos", {}).get("errors", []):
+        lines.append(f"chaos ERROR {error}")
+    lines.append(f"result: {'OK' if result.get('ok') else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = datetime.now(timezone.utc)
+    result = run(args, say=lambda line: print(line, flush=True))
+    out = args.out or RESULTS / f"production-{started:%Y-%m-%d-%H%M}-{args.brokers.replace(',', '-')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(render(result))
+    print(f"results: {out}")
+    return 0 if result.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

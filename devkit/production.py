@@ -1,0 +1,298 @@
+"""
+A production topology on one machine, started by one command::
+
+    .venv/bin/python -m devkit.production --brokers kafka,sqs,pubsub,redis,servicebus   # Ctrl-C stops it
+
+What runs, each as a process of its own on loopback (picture and advice: docs/production.md):
+
+* **PostgreSQL 15** as the metadata DB (:class:`devkit.postgres.PostgresServer`);
+* **Airflow 3.3**: ``db migrate``, api-server, scheduler (LocalExecutor), dag-processor and **two
+  triggerers**, with Airflow's default ``[triggerer]`` settings (``devkit.airflow_env`` lowers only
+  the health-check threshold, so a killed triggerer is noticed in 10 s instead of 30);
+* the **local brokers** of the example Dags (``devkit.demo_streams.STREAMS``: Tansu for Kafka,
+  moto for SQS, Google's Pub/Sub emulator, redis-server, the Service Bus test broker), each with its
+  ``orders`` source and dead-letter destination;
+* a **Spark standalone cluster**: a master and two workers (:class:`devkit.spark_cluster.SparkCluster`);
+  every broker's ``<broker>_orders_spark_pipeline`` Dag runs its ``@task.pyspark`` on it, one core
+  per application so that every broker's pipeline can run at once;
+* every broker's example Dags (``example_dags/example_<broker>_orders.py``): four watchers on one
+  shared stream per broker, three consumer Dags and the PySpark pipeline.
+
+How the two triggerers share the watchers (Airflow 3.3.2 cannot pin a watcher to a triggerer;
+``../shared/notes/airflow-3.3-facts.md`` section 2):
+
+* ``kafka-ha`` (only Kafka in the topology): both triggerers take watchers. The first one's
+  ``capacity`` is half the watchers, so the stream is split between them from the start; Kafka's
+  ``position_store="watchers"`` keeps each watcher's own position, so a split and every takeover
+  after a kill lose nothing (tests/e2e/test_two_triggerers_e2e.py).
+* ``recipe`` (any queue broker in the topology): a split of a queue broker's stream loses messages
+  for watchers (its two consumers compete), so the tested recipe applies: ``[triggerer]
+  queues_enabled`` and the second triggerer started with ``--queues standby``. It never takes an
+  asset watcher (watchers have no queue) and serves deferred tasks only; every watcher runs in the
+  first one, which a supervisor restarts when it dies (the chaos run does so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, Final, Literal
+
+from devkit.airflow_env import AirflowEnv
+from devkit.demo import SPARK_LOCAL_CONNECTION, build_dags_folder
+from devkit.demo_streams import STREAMS, DemoStream
+from devkit.postgres import FAST_SETTINGS, PostgresServer
+from devkit.spark_cluster import SparkCluster
+
+SPARK_CONN_ID: Final = "spark_orders"
+STANDBY_QUEUE: Final = "standby"  # the second triggerer's queue in the recipe: no watcher has it
+SECOND_TRIGGERER: Final = "triggerer-b"
+QUEUE_BROKERS: Final = frozenset({"sqs", "pubsub", "servicebus", "redis"})
+UPSTREAM_DAG_FILE: Final = Path(__file__).resolve().parent / "dags" / "upstream_kafka_orders.py"
+UPSTREAM_ASSET: Final = "upstream_kafka_orders"  # asset name == watcher name, as in that file
+UPSTREAM_DAG: Final = "upstream_kafka_orders_consumer"
+UPSTREAM_CONN_ID: Final = "kafka_upstream"
+
+HaMode = Literal["kafka-ha", "recipe"]
+
+
+def ha_mode_for(brokers: Sequence[str]) -> HaMode:
+    """``kafka-ha`` when every broker tolerates a split stream (Kafka only), else ``recipe``."""
+    return "recipe" if QUEUE_BROKERS.intersection(brokers) else "kafka-ha"
+
+
+def upstream_kafka_connection(bootstrap: str) -> dict[str, Any]:
+    """What the upstream Kafka provider's shared stream requires: a group id of its own, no auto-commit."""
+    extra = {
+        "bootstrap.servers": bootstrap,
+        "auto.offset.reset": "earliest",
+        "group.id": "airflow-upstream-kafka-orders",
+        "enable.auto.commit": "false",
+    }
+    return {"conn_type": "kafka", "extra": extra}
+
+
+@dataclass
+class ProductionTopology:
+    """
+    Everything of the module docstring, started by :meth:`start` and stopped by :meth:`stop`
+    (context manager). Attributes are usable once started: :attr:`env` (the Airflow),
+    :attr:`streams` (broker name -> its :class:`DemoStream`), :attr:`spark`, :attr:`postgres`.
+
+    :param brokers: registry broker names with a demo stream, e.g. ``("kafka", "sqs")``.
+    :param workdir: where everything writes (Dags, ``AIRFLOW_HOME``, the pipeline's output).
+    :param spark: ``standalone`` (master + 2 workers) or ``local`` (``local[2]`` in the task).
+    :param batch_size: the watchers' ``batch_size`` (1: one asset event per message).
+    :param durable_db: PostgreSQL with its default durability (fsync on); ``False`` uses the test
+        suite's ``FAST_SETTINGS`` (a crash of the *machine* could lose commits; a killed Airflow
+        process cannot).
+    :param startup_timeout: seconds for each start-up wait.
+    :param upstream_kafka: also run the upstream Kafka provider's shared stream on the same topic
+        (``devkit/dags/upstream_kafka_orders.py``: its own consumer group, one watcher, one Dag),
+        the comparison of docs/production.md.
+    :param task_heartbeat_timeout: ``[scheduler] task_instance_heartbeat_timeout`` (Airflow's
+        default: 300 s). A ``kill -9`` of the scheduler takes the LocalExecutor's running tasks
+        with it (its process group), and the new scheduler fails and retries them only after this
+        long: 60 s keeps the chaos run's recovery short. ``[triggerer]`` stays at Airflow's defaults.
+    """
+
+    brokers: Sequence[str]
+    workdir: Path
+    spark: Literal["standalone", "local"] = "standalone"
+    batch_size: int = 1
+    durable_db: bool = True
+    startup_timeout: float = 420.0
+    upstream_kafka: bool = False
+    task_heartbeat_timeout: int = 60
+
+    streams: dict[str, DemoStream[Any]] = field(default_factory=dict, init=False)
+    postgres: PostgresServer | None = field(default=None, init=False)
+    spark_cluster: SparkCluster | None = field(default=None, init=False)
+    _env: AirflowEnv | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.brokers if name not in STREAMS]
+        if unknown or not self.brokers:
+            raise ValueError(f"brokers must be some of {sorted(STREAMS)}; got {list(self.brokers)}")
+        if self.upstream_kafka and "kafka" not in self.brokers:
+            raise ValueError("upstream_kafka compares on the kafka broker's topic: add kafka to brokers")
+
+    # -- what runs --------------------------------------------------------------------------------
+    @property
+    def env(self) -> AirflowEnv:
+        if self._env is None:
+            raise RuntimeError("the topology is not started")
+        return self._env
+
+    @property
+    def ha_mode(self) -> HaMode:
+        return ha_mode_for(self.brokers)
+
+    @property
+    def output_dir(self) -> Path:
+        """The pipeline's Parquet datasets: ``<output_dir>/<broker>/order_lines`` etc."""
+        return self.workdir / "output"
+
+    def watchers(self, broker: str | None = None) -> tuple[str, ...]:
+        """The example watchers of ``broker`` (default: of every broker, plus upstream's)."""
+        names = [broker] if broker else list(self.brokers)
+        extra = (UPSTREAM_ASSET,) if self.upstream_kafka and broker is None else ()
+        return tuple(watcher for name in names for watcher in self.streams[name].watchers) + extra
+
+    def consumer_dags(self, broker: str | None = None) -> tuple[str, ...]:
+        names = [broker] if broker else list(self.brokers)
+        extra = (UPSTREAM_DAG,) if self.upstream_kafka and broker is None else ()
+        return tuple(dag_id for name in names for dag_id in self.streams[name].consumer_dags) + extra
+
+    def describe(self) -> str:
+        env = self.env
+        lines = [
+            f"metadata DB      : {self.postgres.url if self.postgres else 'SQLite'}",
+            f"Airflow UI / API : {env.login_hint()}",
+            f"triggerers       : triggerer + {SECOND_TRIGGERER} ({self.ha_mode})",
+            f"Spark            : {self.spark_cluster.master_ui_url if self.spark_cluster else 'local[2]'}",
+            f"output           : {self.output_dir}",
+            f"process logs     : {env.airflow_home / 'process-logs'}",
+        ]
+        lines += [f"{name:<17}: {stream.source_label}, DLQ {stream.dlq_label}" for name, stream in self.streams.items()]
+        return "\n".join(lines)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def __enter__(self) -> ProductionTopology:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self, say: Any = print) -> None:
+        """Start the brokers, PostgreSQL, Spark and Airflow; return once every watcher runs."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for name in self.brokers:
+            stream = STREAMS[name]()
+            self.streams[name] = stream
+            say(f"  {name}: {stream.start()}")
+        self.postgres = PostgresServer(settings={} if self.durable_db else FAST_SETTINGS)
+        self.postgres.start()
+        say(f"  PostgreSQL: {self.postgres.url}")
+        spark_connection: Mapping[str, Any] = SPARK_LOCAL_CONNECTION
+        if self.spark == "standalone":
+            # One core per application: each broker's pipeline gets one, so they run side by side
+            # on the 2 x 2 worker cores instead of the first taking them all.
+            self.spark_cluster = SparkCluster(workers=2, worker_cores=2, connect=False)
+            self.spark_cluster.start()
+            spark_connection = self.spark_cluster.standalone_connection(**{"spark.cores.max": "1"})
+            say(f"  Spark: {self.spark_cluster.master_url} (UI {self.spark_cluster.master_ui_url})")
+        dag_files = tuple(dict.fromkeys(f for stream in self.streams.values() for f in stream.dag_files))
+        extra_files = (UPSTREAM_DAG_FILE,) if self.upstream_kafka else ()
+        dags = build_dags_folder(self.workdir / "dags", files=dag_files, extra=extra_files)
+        connections: dict[str, Any] = {SPARK_CONN_ID: dict(spark_connection)}
+        if self.upstream_kafka:
+            connections[UPSTREAM_CONN_ID] = upstream_kafka_connection(self.streams["kafka"].orders.bootstrap)
+        dag_env: dict[str, str] = {
+            "ORDERS_OUTPUT_DIR": str(self.output_dir),
+            "ORDERS_SPARK_CONN_ID": SPARK_CONN_ID,
+            "ORDERS_BATCH_SIZE": str(self.batch_size),
+        }
+        for stream in self.streams.values():
+            connections.update(stream.connections())
+            dag_env.update(stream.dag_env())
+        watchers = self.watchers()
+        triggerer: dict[str, object] = {}
+        if self.ha_mode == "recipe":
+            triggerer["queues_enabled"] = True
+        else:
+            # Half the watchers each: the stream is split between the triggerers from the start.
+            triggerer["capacity"] = max(1, math.ceil(len(watchers) / 2))
+        self._env = AirflowEnv(
+            dags,
+            connections=connections,
+            env=dag_env,
+            triggerer=triggerer,
+            config={"scheduler": {"task_instance_heartbeat_timeout": self.task_heartbeat_timeout}},
+            home=self.workdir / "airflow-home",
+            sql_alchemy_conn=self.postgres.url,
+            startup_timeout=self.startup_timeout,
+        )
+        self._env.start()
+        say(f"  Airflow: {self._env.login_hint()}")
+        second_args = ("--queues", STANDBY_QUEUE) if self.ha_mode == "recipe" else ()
+        # The second triggerer takes what the first leaves (kafka-ha) or nothing but deferred
+        # tasks (recipe): its capacity is Airflow's default either way.
+        self._env.add_triggerer(SECOND_TRIGGERER, {"capacity": 1000}, args=second_args)
+        dag_ids = self.consumer_dags()
+        self._env.wait_for_dags(dag_ids, timeout=self.startup_timeout)
+        self._env.unpause(dag_ids)
+        self._env.wait_for_watchers(watchers, timeout=self.startup_timeout)
+        say(f"  {len(dag_ids)} Dags unpaused; {len(watchers)} watchers running")
+
+    def stop(self) -> None:
+        if self._env is not None:
+            self._env.stop()
+        for stream in self.streams.values():
+            stream.stop()
+        if self.spark_cluster is not None:
+            self.spark_cluster.stop()
+        if self.postgres is not None:
+            self.postgres.stop()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m devkit.production", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--brokers", default="kafka,sqs,pubsub,redis", help="comma-separated: " + ",".join(STREAMS))
+    parser.add_argument("--spark", choices=("standalone", "local"), default="standalone")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
+    parser.add_argument("--upstream-kafka", action="store_true", help="also the upstream Kafka provider's stream")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shared-stream-production-"))
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    topology = ProductionTopology(
+        brokers=args.brokers.split(","),
+        workdir=workdir,
+        spark=args.spark,
+        batch_size=args.batch_size,
+        upstream_kafka=args.upstream_kafka,
+    )
+    try:
+        print("starting the production topology ...", flush=True)
+        topology.start()
+        print(topology.describe(), flush=True)
+        print("running; Ctrl-C stops everything", flush=True)
+        while True:
+            topology.env.check_alive()
+            time.sleep(5)
+    except KeyboardInterrupt:
+        print("\nstopping ...")
+        return 0
+    finally:
+        topology.stop()
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
