@@ -79,7 +79,9 @@ ROOT: Final = Path(__file__).resolve().parent.parent
 RESULTS: Final = ROOT / "bench" / "results"
 MALFORMED_EVERY: Final = 20
 DUPLICATE_EVERY: Final = 25
-ACTIONS: Final = ("kill-triggerer", "kill-scheduler", "kill-spark-worker", "pause-dag", "restart-dag-processor")
+# In this order with --chaos once: the Spark worker first (the first pipeline run comes early),
+# the scheduler late (its kill stalls the pipeline's tasks for the task heartbeat timeout).
+ACTIONS: Final = ("kill-spark-worker", "kill-triggerer", "pause-dag", "kill-scheduler", "restart-dag-processor")
 CHECK_COLUMNS: Final = (
     "broker",
     "published",
@@ -676,6 +678,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--upstream-kafka", action="store_true", help="also the upstream Kafka provider's stream (latency comparison)"
     )
+    parser.add_argument(
+        "--ha", choices=("kafka-ha", "recipe"), default=None, help="how the two triggerers share watchers"
+    )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--keep-files", action="store_true")
@@ -709,6 +714,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
         spark=args.spark,
         batch_size=args.batch_size,
         upstream_kafka=args.upstream_kafka,
+        ha=args.ha,
     )
     result: dict[str, Any] = {
         "args": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},

@@ -99,10 +99,15 @@ class ProductionTopology:
     :param upstream_kafka: also run the upstream Kafka provider's shared stream on the same topic
         (``devkit/dags/upstream_kafka_orders.py``: its own consumer group, one watcher, one Dag),
         the comparison of docs/production.md.
+    :param ha: ``kafka-ha`` or ``recipe`` (module docstring); default: :func:`ha_mode_for` the brokers.
+        ``recipe`` with Kafka alone is allowed (every watcher in one triggerer); ``kafka-ha`` with a
+        queue broker is refused (its stream would split: loss by design).
     :param task_heartbeat_timeout: ``[scheduler] task_instance_heartbeat_timeout`` (Airflow's
         default: 300 s). A ``kill -9`` of the scheduler takes the LocalExecutor's running tasks
         with it (its process group), and the new scheduler fails and retries them only after this
-        long: 60 s keeps the chaos run's recovery short. ``[triggerer]`` stays at Airflow's defaults.
+        long: 60 s keeps the chaos run's recovery short. ``[scheduler] orphaned_tasks_check_interval``
+        (default 300 s) gets the same value: a scheduler started right after a killed one resets
+        the killed one's tasks only at that check. ``[triggerer]`` stays at Airflow's defaults.
     """
 
     brokers: Sequence[str]
@@ -113,6 +118,7 @@ class ProductionTopology:
     startup_timeout: float = 420.0
     upstream_kafka: bool = False
     task_heartbeat_timeout: int = 60
+    ha: HaMode | None = None
 
     streams: dict[str, DemoStream[Any]] = field(default_factory=dict, init=False)
     postgres: PostgresServer | None = field(default=None, init=False)
@@ -123,6 +129,8 @@ class ProductionTopology:
         unknown = [name for name in self.brokers if name not in STREAMS]
         if unknown or not self.brokers:
             raise ValueError(f"brokers must be some of {sorted(STREAMS)}; got {list(self.brokers)}")
+        if self.ha == "kafka-ha" and ha_mode_for(self.brokers) != "kafka-ha":
+            raise ValueError("kafka-ha splits streams between triggerers: only with Kafka alone")
         if self.upstream_kafka and "kafka" not in self.brokers:
             raise ValueError("upstream_kafka compares on the kafka broker's topic: add kafka to brokers")
 
@@ -135,7 +143,7 @@ class ProductionTopology:
 
     @property
     def ha_mode(self) -> HaMode:
-        return ha_mode_for(self.brokers)
+        return self.ha or ha_mode_for(self.brokers)
 
     @property
     def output_dir(self) -> Path:
@@ -224,7 +232,14 @@ class ProductionTopology:
             connections=connections,
             env=dag_env,
             triggerer=triggerer,
-            config={"scheduler": {"task_instance_heartbeat_timeout": self.task_heartbeat_timeout}},
+            config={
+                "scheduler": {
+                    "task_instance_heartbeat_timeout": self.task_heartbeat_timeout,
+                    # The new scheduler resets a dead one's running tasks at start-up only if that
+                    # one's heartbeat is already stale, else at the next check (300 s by default).
+                    "orphaned_tasks_check_interval": self.task_heartbeat_timeout,
+                }
+            },
             home=self.workdir / "airflow-home",
             sql_alchemy_conn=self.postgres.url,
             startup_timeout=self.startup_timeout,
@@ -259,6 +274,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
     parser.add_argument("--upstream-kafka", action="store_true", help="also the upstream Kafka provider's stream")
+    parser.add_argument("--ha", choices=("kafka-ha", "recipe"), default=None, help="default: by the brokers")
     return parser.parse_args(argv)
 
 
@@ -276,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spark=args.spark,
         batch_size=args.batch_size,
         upstream_kafka=args.upstream_kafka,
+        ha=args.ha,
     )
     try:
         print("starting the production topology ...", flush=True)
