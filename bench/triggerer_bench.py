@@ -84,6 +84,7 @@ from typing import Any, Final
 from airflow_shared_stream_provider.brokers import HarnessTable, broker_spec, harness_names, load, sdk_module_prefixes
 from bench.common import RESULTS_DIR, ROOT, as_json, fmt_num, fmt_rate, machine_info, markdown_table
 from devkit.airflow_env import AirflowEnv, AirflowEnvError
+from devkit.latency import percentile
 from devkit.ports import free_port, wait_for_port
 from devkit.postgres import FAST_SETTINGS, PostgresServer
 
@@ -856,14 +857,6 @@ class CaseSpec:
     @property
     def label(self) -> str:
         return f"{self.broker}/{self.db}/{self.impl}/{self.mode}/N={self.n}"
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def phase_metrics(log: EventLog, phase: str, n: int, expected: int) -> dict[str, Any]:
