@@ -92,9 +92,9 @@ from bench.triggerer_bench import (
     _words,
     assigned_watchers,
     message_body,
-    percentile,
     source_state,
 )
+from devkit.latency import percentile
 from devkit.postgres import PostgresServer
 
 PROBE_DIR: Final = Path(__file__).resolve().parent / "soak_dags"
