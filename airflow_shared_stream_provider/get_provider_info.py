@@ -126,6 +126,21 @@ def get_provider_info() -> dict[str, Any]:
                         "example": None,
                         "default": "5.0",
                     },
+                    "late_join_lookback": {
+                        "description": (
+                            'Kafka (``position_store="watchers"``): where a watcher without a stored position starts '
+                            "when\n"
+                            "it joins a running stream, in seconds back: at the position the stream had that long "
+                            "ago.\n"
+                            "Such a watcher may be one whose triggerer died before its first position write, with\n"
+                            "messages received and not persisted; starting at the read end lost those. A brand-new\n"
+                            "watcher may fire for up to this much history. 0: start at the read end.\n"
+                        ),
+                        "version_added": "0.1.0",
+                        "type": "float",
+                        "example": None,
+                        "default": "300.0",
+                    },
                     "heartbeat_interval": {
                         "description": (
                             "Seconds between a stream's heartbeats in its watchers' asset state stores, read to "

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 _member_numbers = itertools.count(1)
 
 DEFAULT_POSITION_INTERVAL: Final = 5.0
+DEFAULT_LATE_JOIN_LOOKBACK: Final = 300.0
 RECORD_VERSION: Final = 1
 
 
@@ -64,6 +65,23 @@ def position_interval() -> float:
     from airflow.configuration import conf
 
     return max(0.1, conf.getfloat(CONFIG_SECTION, "position_interval", fallback=DEFAULT_POSITION_INTERVAL))
+
+
+def late_join_lookback() -> float:
+    """
+    ``[shared_stream_provider] late_join_lookback`` (seconds, default 300; 0: start at the read end).
+
+    Where a watcher **without a stored position** starts when it joins a running stream: at the
+    position the stream had this many seconds ago. Why not "now": such a watcher cannot be told
+    apart from one whose previous stream (a triggerer killed seconds after forming it) delivered
+    to it but died before its first position write landed; starting at the read end lost what
+    that one had received and not persisted (docs/production.md, finding 4). Every message
+    published within the lookback before the join reaches it; a brand-new watcher may fire for
+    up to this much history.
+    """
+    from airflow.configuration import conf
+
+    return max(0.0, conf.getfloat(CONFIG_SECTION, "late_join_lookback", fallback=DEFAULT_LATE_JOIN_LOOKBACK))
 
 
 def position_key(scope: Hashable, identity: str) -> str:

@@ -71,6 +71,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any, cast
 
@@ -88,7 +89,7 @@ from airflow_shared_stream_provider._core.errors import (
     SharedStreamConfigError,
     missing_dependency,
 )
-from airflow_shared_stream_provider._core.positions import PositionMember, position_interval
+from airflow_shared_stream_provider._core.positions import PositionMember, late_join_lookback, position_interval
 from airflow_shared_stream_provider._core.producer import Decided, SharedStreamProducerBase
 from airflow_shared_stream_provider.producers.kafka_config import (
     KafkaClientConfig,
@@ -129,6 +130,8 @@ TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
 POSITION_LOOKUP_TIMEOUT = 10.0
 REWIND_DRAIN_TIMEOUT = 15.0
 POSITION_FLUSH_TIMEOUT = 3.0
+# How often a lane's position is sampled for the late-join lookback (see _lookback_start).
+POSITION_SAMPLE_INTERVAL = 1.0
 _log = logging.getLogger(__name__)
 
 
@@ -280,6 +283,11 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         self._timers: set[asyncio.TimerHandle] = set()
         self._watcher_positions = settings.position_store == "watchers"
         self._committed: dict[TopicPartition, int] = {}
+        # Per lane, (monotonic time, lane.position()) at each change within the late-join lookback,
+        # plus the last sample before it: where the lane was ``late_join_lookback`` seconds ago.
+        self._history: dict[TopicPartition, deque[tuple[float, int]]] = {}
+        self._last_sample = 0.0
+        self._lookback = late_join_lookback()
 
     def source_label(self) -> str:
         return ",".join(self.settings.topics)
@@ -397,6 +405,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             # Commits happen eagerly in advance(); what is still in flight for this partition
             # belongs to the next owner now, and its late outcomes are ignored (epoch mismatch).
             self._lanes.pop(tp, None)
+            self._history.pop(tp, None)
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         for tp in assigned:
@@ -506,6 +515,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         for member in members:
             member.placed = True
         positions.positions_of = self._positions_of
+        self._sample_positions(time.monotonic())  # a stream younger than the lookback: its start
         self.log.info(
             "Kafka shared stream %s placed %d watcher(s): %s",
             self.source_label(),
@@ -518,22 +528,29 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         Watchers that joined the running stream (a triggerer that died handed them over, a Dag was
         added, the cohort wait timed out). One whose stored position is behind a lane makes that
         lane rewind to it: the lane is re-read from there, and every other watcher skips what it
-        had already (its threshold is where the lane was). One without a position starts now.
+        had already (its threshold is where the lane was). One without a stored position starts
+        where the lane was ``late_join_lookback`` seconds ago (:meth:`_lookback_start`), not at the
+        read end: it may be a watcher whose last triggerer died before storing its first position.
         """
         positions = self.gate.positions
         members = positions.take_placeable()
         if not members:
             return
         ends = await consumer.end_offsets(list(self._lanes))
+        now = time.monotonic()
         behind: dict[TopicPartition, dict[int, int]] = {}
+        unrecorded: dict[str, int] = {}
         for tp, lane in self._lanes.items():
             next_read = lane.next_read()
             stored = self._usable_positions(tp, members, end=ends.get(tp))
             thresholds = {n: first for n, first in lane.thresholds.items() if n in positions.members}
             for member in members:
                 first = stored.get(member.number)
-                if first is None or first >= next_read:
-                    thresholds[member.number] = next_read if first is None else first
+                if first is None:
+                    first = self._lookback_start(tp, lane, now)
+                    unrecorded[self._label(tp)] = first
+                if first >= next_read:
+                    thresholds[member.number] = first
                 else:
                     behind.setdefault(tp, {})[member.number] = first
             lane.set_thresholds(thresholds)
@@ -544,11 +561,45 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         for member in members:
             member.placed = True
         self.log.info(
-            "Kafka shared stream %s placed %d late watcher(s); rewound %s",
+            "Kafka shared stream %s placed %d late watcher(s); rewound %s; without a stored position "
+            "(started %.0f s back, late_join_lookback): %s",
             self.source_label(),
             len(members),
             {self._label(tp): min(late.values()) for tp, late in behind.items()} or "nothing",
+            self._lookback,
+            unrecorded or "none",
         )
+
+    def _sample_positions(self, now: float) -> None:
+        """Note each lane's position if it moved (bounded: changes within the lookback, plus one)."""
+        self._last_sample = now
+        if self._lookback <= 0:
+            return
+        cutoff = now - self._lookback
+        for tp, lane in self._lanes.items():
+            position = lane.position()
+            if position is None:
+                continue
+            history = self._history.setdefault(tp, deque())
+            if not history or history[-1][1] != position:
+                history.append((now, position))
+            # Keep the newest sample at or before the cutoff: the position the lane had then.
+            while len(history) >= 2 and history[1][0] <= cutoff:
+                history.popleft()
+
+    def _lookback_start(self, tp: TopicPartition, lane: Lane, now: float) -> int:
+        """
+        Where a watcher without a stored position starts on ``tp``: the lowest position the lane
+        had in the last ``late_join_lookback`` seconds (its start, if the stream is younger). A
+        position at time t is at or below every offset first read after t, so every message
+        published within the lookback reaches the watcher. 0 turns this off: the read end.
+        """
+        next_read = lane.next_read()
+        if self._lookback <= 0:
+            return next_read
+        self._sample_positions(now)
+        history = self._history.get(tp)
+        return min((position for _, position in history), default=next_read) if history else next_read
 
     def _rewind(self, consumer: AIOKafkaConsumer, tp: TopicPartition, late: dict[int, int]) -> None:
         """
@@ -637,6 +688,9 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                     await self._place_late(consumer)
                 if positions.write_due(write_interval):
                     positions.schedule_write(self._positions_of)
+                now = time.monotonic()
+                if now - self._last_sample >= POSITION_SAMPLE_INTERVAL:
+                    self._sample_positions(now)
             credit = await self._credit_or_keepalive(consumer)
             if credit == 0:
                 continue
