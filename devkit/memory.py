@@ -27,6 +27,7 @@ from airflow_shared_stream_provider._core.dispositions import Disposition
 from airflow_shared_stream_provider._core.envelope import StreamMessage
 from airflow_shared_stream_provider._core.producer import UNSENT, Decided, Delivery, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.settings import StreamSettings
+from airflow_shared_stream_provider._core.tasks import wait_for
 from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
 from airflow_shared_stream_provider.brokers import BrokerName
 
@@ -82,7 +83,7 @@ class MemoryBroker:
                 await arrived.wait()
 
         try:
-            await asyncio.wait_for(until_available(), timeout)
+            await wait_for(until_available(), timeout)  # cancel-safe (see _core/tasks.py)
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             return False
         return True

@@ -48,6 +48,7 @@ from typing import Any, Final
 import msgspec
 
 from airflow_shared_stream_provider._core.envelope import DeliveryLike, StreamMessage
+from airflow_shared_stream_provider._core.tasks import wait_for
 
 DEFAULT_BATCH_TIMEOUT: Final = 0.5
 MAX_BATCH_SIZE: Final = 10_000
@@ -208,7 +209,7 @@ class _Pump:
             return
         self.wake.clear()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.wake.wait(), timeout)
+            await wait_for(self.wake.wait(), timeout)
 
     async def close(self) -> None:
         if not self.task.done():

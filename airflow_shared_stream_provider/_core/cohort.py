@@ -46,6 +46,7 @@ from typing import Any, Final
 
 from airflow_shared_stream_provider._core.airflow_internals import require_airflow_internals
 from airflow_shared_stream_provider._core.state_store import StateStore, read_quietly, write_all
+from airflow_shared_stream_provider._core.tasks import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -244,4 +245,4 @@ class Cohort:
             self._changed = asyncio.Event()
         self._changed.clear()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout)
+            await wait_for(self._changed.wait(), timeout)

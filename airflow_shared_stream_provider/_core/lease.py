@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from airflow_shared_stream_provider._core.tasks import wait_for
+
 log = logging.getLogger(__name__)
 
 HandleT = TypeVar("HandleT", bound=Hashable)
@@ -149,7 +151,7 @@ class LeaseKeeper(Generic[HandleT]):
             self._changed.clear()
             timeout = None if due is None else max(0.0, due - self._now())
             try:
-                await asyncio.wait_for(self._changed.wait(), timeout=timeout)
+                await wait_for(self._changed.wait(), timeout=timeout)
                 continue  # a new lease may be due earlier: recompute
             except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 pass

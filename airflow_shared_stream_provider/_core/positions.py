@@ -48,6 +48,7 @@ from typing import Any, Final
 
 from airflow_shared_stream_provider._core.cohort import CONFIG_SECTION
 from airflow_shared_stream_provider._core.state_store import StateStore, read_quietly, write_quietly
+from airflow_shared_stream_provider._core.tasks import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -236,11 +237,11 @@ class WatcherPositions:
         """A last write (the stream closes): bounded, best effort."""
         if self._writer is not None and not self._writer.done():
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
-                await asyncio.wait_for(asyncio.shield(self._writer), timeout)
+                await wait_for(asyncio.shield(self._writer), timeout)
         self.schedule_write(positions_of)
         if self._writer is not None and not self._writer.done():
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
-                await asyncio.wait_for(self._writer, timeout)
+                await wait_for(self._writer, timeout)
 
     async def close(self) -> None:
         self.positions_of = None

@@ -91,6 +91,7 @@ from airflow_shared_stream_provider._core.errors import (
 )
 from airflow_shared_stream_provider._core.positions import PositionMember, late_join_lookback, position_interval
 from airflow_shared_stream_provider._core.producer import Decided, SharedStreamProducerBase
+from airflow_shared_stream_provider._core.tasks import wait_for
 from airflow_shared_stream_provider.producers.kafka_config import (
     KafkaClientConfig,
     load_kafka_client_config,
@@ -844,7 +845,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         credit = self.credit()
         if credit == 0:
             try:
-                credit = await asyncio.wait_for(self.wait_for_credit(), timeout=self.settings.poll_timeout)
+                credit = await wait_for(self.wait_for_credit(), timeout=self.settings.poll_timeout)
             except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 if not self._paused:
                     consumer.pause(*consumer.assignment())

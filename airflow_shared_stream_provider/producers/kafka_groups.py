@@ -15,6 +15,7 @@ import logging
 from collections.abc import Hashable
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
+from airflow_shared_stream_provider._core.tasks import wait_for
 from airflow_shared_stream_provider.producers.kafka_config import ResolvedGroup
 from airflow_shared_stream_provider.triggers.kafka import KafkaStreamSettings
 
@@ -96,7 +97,7 @@ class ConsumerGroupClaims:
                 claim.group.group_id,
             )
             try:
-                await asyncio.wait_for(other.released.wait(), timeout=remaining)
+                await wait_for(other.released.wait(), timeout=remaining)
             except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 continue  # re-checked once more, then the deadline has passed
 

@@ -42,7 +42,7 @@ from airflow_shared_stream_provider._core.errors import BrokerUnavailableError, 
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.logsafe import log_safe
 from airflow_shared_stream_provider._core.producer import Decided
-from airflow_shared_stream_provider._core.tasks import best_effort
+from airflow_shared_stream_provider._core.tasks import best_effort, wait_for
 from airflow_shared_stream_provider.producers.servicebus_credit import CreditPool
 from airflow_shared_stream_provider.producers.servicebus_types import (
     LOCK_LOST,
@@ -154,7 +154,7 @@ class SessionReceiver:
         try:
             if self.state in ("open", "holding"):
                 try:
-                    await asyncio.wait_for(self._run_requests(), timeout=self.pool.close_timeout)
+                    await wait_for(self._run_requests(), timeout=self.pool.close_timeout)
                 except _LOCK_LOST as exc:
                     self._lose(exc)
                 except Exception:

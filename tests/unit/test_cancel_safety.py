@@ -1,0 +1,90 @@
+"""
+A cancellation is never lost (``_core/tasks.wait_for``).
+
+Before Python 3.12, ``asyncio.wait_for`` swallows a cancellation of its caller that arrives in the
+loop turn its awaitable completes. The manager stops a group by cancelling its poll task, often in
+the turn a watcher's departure sets the event the stream waits on: with ``asyncio.wait_for`` the
+stream then ran on with no watcher, and ``unsubscribe`` never returned (the last test below hung
+before the fix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from airflow.triggers.shared_stream import SharedStreamManager
+
+from airflow_shared_stream_provider import SharedStreamConfigError
+from airflow_shared_stream_provider._core.tasks import wait_for
+from devkit.memory import MemorySharedStreamTrigger, brokers, memory_broker
+from devkit.runner import RunnerSim, wait_until
+
+PACKAGE = Path(__file__).resolve().parents[2] / "airflow_shared_stream_provider"
+
+
+async def _cancel_as_it_completes(waiter: object) -> asyncio.Task[object]:
+    event = asyncio.Event()
+    task: asyncio.Task[object] = asyncio.ensure_future(waiter(event.wait(), 30))  # type: ignore[operator]
+    await asyncio.sleep(0)  # the task now waits on the event
+    event.set()  # its awaitable completes in this turn ...
+    task.cancel()  # ... and its caller is cancelled in the same turn
+    await asyncio.wait((task,))
+    return task
+
+
+async def test_a_cancellation_in_the_turn_the_awaitable_completes_is_kept() -> None:
+    task = await _cancel_as_it_completes(wait_for)
+    assert task.cancelled()
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="asyncio.wait_for is fixed in Python 3.12")
+async def test_the_race_is_real_with_asyncio_wait_for_before_312() -> None:
+    # The control: the scenario above does hit the bug this module's helper avoids.
+    task = await _cancel_as_it_completes(asyncio.wait_for)
+    assert not task.cancelled() and task.result() is True
+
+
+async def test_the_timeout_still_raises_and_cancels_the_awaitable() -> None:
+    inner = asyncio.ensure_future(asyncio.sleep(30))
+    with pytest.raises(asyncio.TimeoutError):
+        await wait_for(inner, 0.01)
+    assert inner.cancelled()
+
+
+def test_the_package_uses_no_asyncio_wait_for() -> None:
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{number}"
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "tasks.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "asyncio.wait_for(" in line
+    ]
+    assert not offenders, f"use airflow_shared_stream_provider._core.tasks.wait_for: {offenders}"
+
+
+async def test_a_stream_whose_only_watcher_fails_at_once_stops() -> None:
+    # The watcher fails while the stream is in its cohort wait: its departure wakes that wait in
+    # the turn the manager cancels the poll task.
+    name = "cancel-safety"
+    broker = memory_broker(name)
+    runner = RunnerSim(SharedStreamManager())
+
+    async def scenario() -> None:
+        async with runner:  # its exit stops the manager: that hung forever before the fix
+            runner.add(1, MemorySharedStreamTrigger(broker_name=name, filter_function="json.no_such_function"))
+            await wait_until(lambda: 1 in runner.failures, timeout=10, what="watcher 1 failed")
+
+    try:
+        broker.publish(json.dumps({"order_id": 1}))
+        # asyncio.wait, not wait_for: the bug under test would swallow wait_for's own timeout here.
+        task = asyncio.ensure_future(scenario())
+        await asyncio.wait((task,), timeout=20)
+        assert task.done(), "the manager did not stop: the stream's poll task lost its cancellation"
+        task.result()
+        assert isinstance(runner.failures[1], SharedStreamConfigError)
+    finally:
+        brokers.pop(name, None)
