@@ -50,3 +50,15 @@ class Settlement:
     @property
     def complete(self) -> bool:
         return self.settled >= self.total
+
+
+@dataclass(frozen=True)
+class BrokerRestart:
+    """
+    One graceful stop and start of a demo's local broker, its data kept, on the same address
+    (:meth:`devkit.demo_streams.DemoStream.restart_keeping_data`; the chaos run records it).
+    """
+
+    address: str
+    stop_s: float  # the graceful stop took (the broker flushes its data first)
+    down_s: float  # from the stop's start until the broker accepted connections again

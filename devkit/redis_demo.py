@@ -7,6 +7,7 @@ dead-letter stream, and the example Dags of ``example_dags/example_redis_orders.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ import redis
 
 from airflow_shared_stream_provider.triggers.redis import DEFAULT_GROUP
 from devkit.demo_streams import DemoStream, paced_chunks
-from devkit.demo_types import OrderMessage, Settlement
+from devkit.demo_types import BrokerRestart, OrderMessage, Settlement
 from devkit.redis_broker import RedisServer, start_redis
 
 REDIS_STREAM = "orders"
@@ -36,16 +37,21 @@ class RedisOrders:
         # Any: redis-py's sync client leaves execute_command untyped.
         self.client: Any = redis.Redis(**self.server.client_kwargs(), protocol=2)
         self._lock = threading.Lock()
+        # Held for each chunk's XADDs and for a whole server restart: a publish waits out the
+        # restart. redis-py retries a refused connection for about 4 s only (10 tries, backoff
+        # capped at 1 s), and a chunk resent by hand after a failure could add entries twice.
+        self.server_lock = threading.Lock()
 
     def publish(
         self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
     ) -> None:
         """XADD each order (its bytes in the ``body`` field, its key in ``key``), in order, paced."""
         for chunk in paced_chunks(messages, size=100, rate=rate, stop=stop):
-            pipe = self.client.pipeline(transaction=False)
-            for message in chunk:
-                pipe.execute_command("XADD", self.stream, "*", "body", message.value, "key", message.key)
-            ids = pipe.execute()
+            with self.server_lock:
+                pipe = self.client.pipeline(transaction=False)
+                for message in chunk:
+                    pipe.execute_command("XADD", self.stream, "*", "body", message.value, "key", message.key)
+                ids = pipe.execute()
             with self._lock:
                 self.published.update((bytes(entry_id).decode(), m) for entry_id, m in zip(ids, chunk, strict=True))
 
@@ -96,6 +102,34 @@ class RedisDemoStream(DemoStream[RedisOrders]):
     @property
     def published(self) -> int:
         return len(self.orders.published)
+
+    def restart_unsupported(self) -> str | None:
+        if self._server is None:
+            return "the redis demo stream is not started"
+        if self._server.external:
+            # host:port only: the URL may carry a password, and this reason goes into result files.
+            where = f"{self._server.host}:{self._server.port}"
+            return f"an external Redis ({where}, REDIS_URL) is not this run's to restart"
+        return None
+
+    def restart_keeping_data(self, down_seconds: float = 0.0) -> BrokerRestart:
+        # SIGTERM: Redis fsyncs its append-only file and saves its RDB snapshot before it exits;
+        # start() runs it again on the same port and data directory, so the stream, its consumer
+        # group, the pending entries and the dead-letter stream are all back. Clients (the
+        # watchers' producer, this publisher) reconnect by themselves.
+        reason = self.restart_unsupported()
+        if reason is not None:
+            raise NotImplementedError(reason)
+        server = self._server
+        assert server is not None
+        with self.orders.server_lock:
+            began = time.monotonic()
+            server.stop()
+            stop_s = time.monotonic() - began
+            time.sleep(down_seconds)
+            server.start()
+            down_s = time.monotonic() - began
+        return BrokerRestart(f"{server.host}:{server.port}", round(stop_s, 2), round(down_s, 2))
 
     def connections(self) -> dict[str, Any]:
         assert self._server is not None
