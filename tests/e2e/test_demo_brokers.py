@@ -19,12 +19,17 @@ import sys
 import pytest
 
 from devkit.demo import REPO_ROOT, expected_watchers, sample_orders
+from tests.slow import slow_asked
 
 pytestmark = [pytest.mark.e2e, pytest.mark.spark, pytest.mark.timeout(900)]
 
 MESSAGES = 60
 # The scenario's malformed orders: what every broker's demo must dead-letter.
 EXPECTED_DLQ = sum(expected_watchers(message)[1] for message in sample_orders(MESSAGES))
+# CI's time budget (under 60 minutes on 2 cores): these brokers' demos run with -m slow or
+# DEMO_SLOW=1. Their example Dags also run in every all-broker production run (bench.production),
+# and each broker keeps an end-to-end test in CI (the SQS e2e tests, the Pub/Sub queue recipe).
+SLOW_DEMOS = frozenset({"sqs", "pubsub"})
 
 
 @pytest.mark.parametrize(
@@ -44,8 +49,10 @@ EXPECTED_DLQ = sum(expected_watchers(message)[1] for message in sample_orders(ME
     ],
 )
 def test_the_demo_runs_the_example_dags_end_to_end(
-    broker: str, batch_size: int, settled_detail: str, dead_letter_target: str
+    request: pytest.FixtureRequest, broker: str, batch_size: int, settled_detail: str, dead_letter_target: str
 ) -> None:
+    if broker in SLOW_DEMOS and not slow_asked(request.config, "DEMO_SLOW"):
+        pytest.skip(f"the {broker} demo (2-3 min): run with -m slow or DEMO_SLOW=1")
     completed = subprocess.run(
         [
             sys.executable,

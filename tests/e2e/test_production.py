@@ -43,7 +43,8 @@ def run_and_check(command_line: str) -> dict[str, object]:
 
 @pytest.mark.kafka
 def test_kafka_production_chaos_short() -> None:
-    # The recipe: every watcher in triggerer A, B on --queues (the split case is the test below).
+    # The recipe: every watcher in triggerer A, B on --queues (the split case is the slow test below:
+    # finding 4 of docs/production.md lost messages there until late_join_lookback).
     run_and_check(
         "--brokers kafka --ha recipe --minutes 2 --rate 2 --chaos once --pause-seconds 30 --drain-timeout 600 "
         "--out /dev/null"
@@ -52,16 +53,9 @@ def test_kafka_production_chaos_short() -> None:
 
 @pytest.mark.kafka
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="known loss (docs/production.md, finding 4): in kafka-ha mode a watcher that a killed "
-    "triggerer held before its first position write joins the other triggerer's running stream as "
-    "a late watcher without a stored position and starts at the read end: the first messages it "
-    "had received but not persisted are lost for it (2 of 2 runs: 9 and 6, 9 and 1 messages)",
-    strict=False,
-)
 def test_kafka_ha_production_chaos_short(request: pytest.FixtureRequest) -> None:
     if not slow_asked(request.config, "PRODUCTION_SLOW"):
-        pytest.skip("the kafka-ha loss reproducer: PRODUCTION_SLOW=1 or -m slow")
+        pytest.skip("kafka-ha, the split case (finding 4's reproducer): PRODUCTION_SLOW=1 or -m slow")
     run_and_check(
         "--brokers kafka --ha kafka-ha --minutes 2.5 --rate 2 --chaos once --pause-seconds 30 "
         "--drain-timeout 600 --out /dev/null"

@@ -91,6 +91,10 @@ def split_line(log: str) -> str | None:
 def test_one_watcher_triggerer_recipe_loses_nothing(
     broker: LoopBroker, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    # CI's time budget: the recipe is broker-neutral (the triggerer's queues); CI runs it on SQS and
+    # Pub/Sub, Service Bus with KILL_LOOP_SLOW=1 (its demo, with the same example Dags, runs in CI).
+    if broker.name == "servicebus" and os.environ.get("KILL_LOOP_SLOW") != "1":
+        pytest.skip("the recipe on servicebus: the same triggerer queues as SQS's; run with KILL_LOOP_SLOW=1")
     with queue_airflow(broker, tmp_path_factory, queues_enabled=True) as env:
         env.wait_for_dags([DAG_ID])
         env.unpause([DAG_ID])
