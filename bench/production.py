@@ -79,7 +79,7 @@ from devkit.demo import (
     spark_revenue,
 )
 from devkit.demo_streams import DemoStream
-from devkit.latency import Hops, summary, to_epoch
+from devkit.latency import Hops, envelopes, summary, to_epoch
 from devkit.production import UPSTREAM_ASSET, UPSTREAM_DAG, ProductionTopology
 
 ROOT: Final = Path(__file__).resolve().parent.parent
@@ -319,10 +319,10 @@ class Chaos(threading.Thread):
             )
             for event_id, stamp, extra in rows:
                 last_id = max(last_id, int(event_id))
-                for envelope in envelopes(_as_dict(extra)):
+                for envelope in envelopes(extra, upstream_text=True):
                     body = envelope.get("body")
                     sent_at = body.get("sent_at") if isinstance(body, dict) else None
-                    stored = _epoch(stamp)
+                    stored = to_epoch(stamp)
                     if isinstance(sent_at, (int, float)) and sent_at >= since and stored is not None:
                         return round(stored - since, 1)
             if time.monotonic() > deadline:
@@ -389,39 +389,6 @@ def chaos_schedule(mode: str, seconds: float, every: float, actions: Sequence[st
 
 
 # -- what the metadata DB and the output hold -----------------------------------------------------
-def _as_dict(value: Any) -> dict[str, Any]:
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            value = json.loads(value)
-    return value if isinstance(value, dict) else {}
-
-
-def _epoch(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, datetime):
-        moment = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-        return moment.timestamp()
-    text = str(value).replace("Z", "+00:00")
-    moment = datetime.fromisoformat(text)
-    return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
-
-
-def envelopes(extra: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The envelopes of an event's ``extra`` (ours: one, or ``messages`` in batch mode; upstream: the text)."""
-    payload = extra.get("payload") if extra.get("from_trigger") else extra
-    if isinstance(payload, str):  # the upstream Kafka provider's payload is the message text
-        with contextlib.suppress(ValueError):
-            return [{"body": json.loads(payload)}]
-        return []
-    if not isinstance(payload, dict) or payload.get("marker"):
-        return []
-    messages = payload.get("messages")
-    if isinstance(messages, list):
-        return [m for m in messages if isinstance(m, dict)]
-    return [payload] if payload.get("message_id") else []
-
-
 def body_order_id(envelope: Mapping[str, Any]) -> str | None:
     body = envelope.get("body")
     return str(body["order_id"]) if isinstance(body, dict) and isinstance(body.get("order_id"), str) else None
@@ -440,8 +407,8 @@ def delivered_per_watcher(topology: ProductionTopology, broker: str) -> dict[str
     for watcher in topology.streams[broker].watchers:
         seen = Deliveries()
         for event in topology.env.asset_events(watcher):
-            stamp = _epoch(event.get("timestamp"))
-            for envelope in envelopes(_as_dict(event.get("extra"))):
+            stamp = to_epoch(event.get("timestamp"))
+            for envelope in envelopes(event.get("extra"), upstream_text=True):
                 order_id = body_order_id(envelope)
                 if order_id and stamp is not None:
                     seen.copies += 1
@@ -523,7 +490,7 @@ def upstream_hops(topology: ProductionTopology) -> dict[str, Hops]:
     )
     hops: dict[str, Hops] = {}
     for stamp, extra, queued, started, ended in rows:
-        for envelope in envelopes(_as_dict(extra)):
+        for envelope in envelopes(extra, upstream_text=True):
             order_id = body_order_id(envelope)
             if order_id:
                 candidate = Hops(

@@ -104,16 +104,23 @@ def _as_mapping(extra: Any) -> Mapping[str, Any] | None:
     return extra if isinstance(extra, Mapping) else None
 
 
-def envelopes(extra: Any) -> list[Mapping[str, Any]]:
+def envelopes(extra: Any, *, upstream_text: bool = False) -> list[Mapping[str, Any]]:
     """
     The envelopes an asset event's ``extra`` carries (JSON text from SQLite or a dict from
     PostgreSQL): one, the ``messages`` of a batch, or none for a ``flush_after`` marker or an event
     that did not come from a watcher. Same rules as ``example_dags/order_events.envelopes_of``.
+    ``upstream_text``: a text payload (the upstream Kafka provider's event: the message's text) is
+    read as one envelope whose ``body`` is that text's JSON.
     """
     mapping = _as_mapping(extra)
     if mapping is None:
         return []
     payload = mapping.get("payload") if mapping.get("from_trigger") else mapping
+    if upstream_text and isinstance(payload, str):
+        try:
+            return [{"body": json.loads(payload)}]
+        except ValueError:
+            return []
     if not isinstance(payload, Mapping) or payload.get("marker"):
         return []
     messages = payload.get("messages")

@@ -14,6 +14,7 @@ import pytest
 from devkit.latency import (
     Hops,
     RunLatency,
+    envelopes,
     event_hops_from_rows,
     hop_values,
     hops_from_rows,
@@ -197,3 +198,11 @@ def test_render_lines() -> None:
     assert lines[4].startswith("latency publish->written : p50 3500.0 ms")
     assert lines[5] == "latency publish->event sqs_orders_eu: p50 100.0 ms  p95 200.0 ms  max 200.0 ms  (n=2)"
     assert lines[6] == "latency publish->event sqs_orders_big: p50 -  p95 -  max -  (n=0)"
+
+
+def test_an_upstream_text_payload_is_one_envelope_only_when_asked() -> None:
+    # The upstream Kafka provider's event carries the message's text; bench.production reads both.
+    extra = json.dumps({"from_trigger": True, "payload": json.dumps({"order_id": "o-1"})})
+    assert envelopes(extra) == []
+    assert envelopes(extra, upstream_text=True) == [{"body": {"order_id": "o-1"}}]
+    assert envelopes(json.dumps({"from_trigger": True, "payload": "not json"}), upstream_text=True) == []
