@@ -68,10 +68,8 @@ believing the other's partitions were lost, so the second one fails instead.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any, cast
 
@@ -89,7 +87,7 @@ from airflow_shared_stream_provider._core.errors import (
     SharedStreamConfigError,
     missing_dependency,
 )
-from airflow_shared_stream_provider._core.positions import PositionMember, late_join_lookback, position_interval
+from airflow_shared_stream_provider._core.positions import late_join_lookback, position_interval
 from airflow_shared_stream_provider._core.producer import Decided, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.tasks import wait_for
 from airflow_shared_stream_provider.producers.kafka_config import (
@@ -101,7 +99,8 @@ from airflow_shared_stream_provider.producers.kafka_groups import (
     bootstrap_addresses,
     group_claims,
 )
-from airflow_shared_stream_provider.producers.kafka_lanes import Lane
+from airflow_shared_stream_provider.producers.kafka_lanes import Lane, next_epoch
+from airflow_shared_stream_provider.producers.kafka_placement import WatcherPlacement
 from airflow_shared_stream_provider.triggers.kafka import KafkaStreamSettings
 
 try:
@@ -123,16 +122,10 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise missing_dependency("kafka", "aiokafka", exc) from exc
 
-_epochs = itertools.count(1)
 # A record too large for the dead-letter topic: refused by the client (max_request_size) or the broker.
 TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
-# Watcher positions: how long the stream waits at start for the watchers' stored positions, how long
-# a rewind waits for in-flight messages to settle, and how long a graceful stop tries to store them.
-POSITION_LOOKUP_TIMEOUT = 10.0
-REWIND_DRAIN_TIMEOUT = 15.0
+# Watcher positions: how long a graceful stop tries to store them (the rest: kafka_placement).
 POSITION_FLUSH_TIMEOUT = 3.0
-# How often a lane's position is sampled for the late-join lookback (see _lookback_start).
-POSITION_SAMPLE_INTERVAL = 1.0
 _log = logging.getLogger(__name__)
 
 
@@ -284,11 +277,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         self._timers: set[asyncio.TimerHandle] = set()
         self._watcher_positions = settings.position_store == "watchers"
         self._committed: dict[TopicPartition, int] = {}
-        # Per lane, (monotonic time, lane.position()) at each change within the late-join lookback,
-        # plus the last sample before it: where the lane was ``late_join_lookback`` seconds ago.
-        self._history: dict[TopicPartition, deque[tuple[float, int]]] = {}
-        self._last_sample = 0.0
-        self._lookback = late_join_lookback()
+        self._placement: WatcherPlacement | None = None  # watcher positions: set when the stream opens
 
     def source_label(self) -> str:
         return ",".join(self.settings.topics)
@@ -377,7 +366,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             partitions = await self._all_partitions(consumer)
             consumer.assign(partitions)
             for tp in partitions:
-                self._lanes[tp] = Lane(epoch=next(_epochs))
+                self._lanes[tp] = Lane(epoch=next_epoch())
         return consumer
 
     async def _all_partitions(self, consumer: AIOKafkaConsumer) -> list[TopicPartition]:
@@ -406,11 +395,12 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             # Commits happen eagerly in advance(); what is still in flight for this partition
             # belongs to the next owner now, and its late outcomes are ignored (epoch mismatch).
             self._lanes.pop(tp, None)
-            self._history.pop(tp, None)
+            if self._placement is not None:
+                self._placement.forget(tp)
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         for tp in assigned:
-            self._lanes[tp] = Lane(epoch=next(_epochs))
+            self._lanes[tp] = Lane(epoch=next_epoch())
         self._check_assignment(assigned)
         if assigned and self._consumer is not None:
             # Attempt counts of held messages, stored with the last commit (see kafka_lanes).
@@ -469,207 +459,6 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             self._last_partial_warning = now
             self.log.error(message)
 
-    # -- watcher positions (position_store="watchers", see _core/positions.py) -----------------
-    @staticmethod
-    def _label(tp: TopicPartition) -> str:
-        return f"{tp.topic}/{tp.partition}"
-
-    async def _place_at_start(self, consumer: AIOKafkaConsumer) -> None:
-        """
-        Start every lane at the lowest stored position of the watchers present (the committed
-        offset for a watcher without one), and give each watcher its threshold: it skips what is
-        below its own position (it fired those already).
-        """
-        positions = self.gate.positions
-        await positions.wait_lookups(timeout=POSITION_LOOKUP_TIMEOUT)
-        members = positions.take_placeable(everyone=True)
-        tps = list(self._lanes)
-        committed_map = await consumer._coordinator.fetch_committed_offsets(tps)
-        ends = await consumer.end_offsets(tps)
-        committed: dict[TopicPartition, int | None] = {}
-        usable: dict[TopicPartition, dict[int, int]] = {}
-        for tp in tps:
-            entry = committed_map.get(tp)
-            committed[tp] = entry.offset if entry is not None and entry.offset >= 0 else None
-            stored = usable[tp] = self._usable_positions(tp, members, end=ends.get(tp))
-            if not stored:
-                continue  # nobody has a position here: the committed offset (or auto.offset.reset)
-            start = min(stored.values())
-            fallback = committed[tp]
-            if fallback is not None and len(stored) < len(members):
-                start = min(start, fallback)  # a watcher without a position starts there
-            consumer.seek(tp, start)
-        for tp in tps:
-            offset = await consumer.position(tp)  # resolves committed offset / auto.offset.reset
-            stored = usable[tp]
-            default = committed[tp] if committed[tp] is not None else offset
-            lane = Lane.placed(
-                next(_epochs),
-                offset,
-                attempts={},
-                thresholds={m.number: max(offset, stored.get(m.number, default)) for m in members},
-            )
-            entry = committed_map.get(tp)
-            if entry is not None:
-                lane.restore_attempts(entry.metadata)  # attempt counts of held messages (kafka_lanes)
-            self._lanes[tp] = lane
-        for member in members:
-            member.placed = True
-        positions.positions_of = self._positions_of
-        self._sample_positions(time.monotonic())  # a stream younger than the lookback: its start
-        self.log.info(
-            "Kafka shared stream %s placed %d watcher(s): %s",
-            self.source_label(),
-            len(members),
-            {self._label(tp): (lane.next_read(), lane.floor) for tp, lane in self._lanes.items()},
-        )
-
-    async def _place_late(self, consumer: AIOKafkaConsumer) -> None:
-        """
-        Watchers that joined the running stream (a triggerer that died handed them over, a Dag was
-        added, the cohort wait timed out). One whose stored position is behind a lane makes that
-        lane rewind to it: the lane is re-read from there, and every other watcher skips what it
-        had already (its threshold is where the lane was). One without a stored position starts
-        where the lane was ``late_join_lookback`` seconds ago (:meth:`_lookback_start`), not at the
-        read end: it may be a watcher whose last triggerer died before storing its first position.
-        """
-        positions = self.gate.positions
-        members = positions.take_placeable()
-        if not members:
-            return
-        ends = await consumer.end_offsets(list(self._lanes))
-        now = time.monotonic()
-        behind: dict[TopicPartition, dict[int, int]] = {}
-        unrecorded: dict[str, int] = {}
-        for tp, lane in self._lanes.items():
-            next_read = lane.next_read()
-            stored = self._usable_positions(tp, members, end=ends.get(tp))
-            thresholds = {n: first for n, first in lane.thresholds.items() if n in positions.members}
-            for member in members:
-                first = stored.get(member.number)
-                if first is None:
-                    first = self._lookback_start(tp, lane, now)
-                    unrecorded[self._label(tp)] = first
-                if first >= next_read:
-                    thresholds[member.number] = first
-                else:
-                    behind.setdefault(tp, {})[member.number] = first
-            lane.set_thresholds(thresholds)
-        if behind:
-            await self._drain(REWIND_DRAIN_TIMEOUT)
-            for tp, late in behind.items():
-                self._rewind(consumer, tp, late)
-        for member in members:
-            member.placed = True
-        self.log.info(
-            "Kafka shared stream %s placed %d late watcher(s); rewound %s; without a stored position "
-            "(started %.0f s back, late_join_lookback): %s",
-            self.source_label(),
-            len(members),
-            {self._label(tp): min(late.values()) for tp, late in behind.items()} or "nothing",
-            self._lookback,
-            unrecorded or "none",
-        )
-
-    def _sample_positions(self, now: float) -> None:
-        """Note each lane's position if it moved (bounded: changes within the lookback, plus one)."""
-        self._last_sample = now
-        if self._lookback <= 0:
-            return
-        cutoff = now - self._lookback
-        for tp, lane in self._lanes.items():
-            position = lane.position()
-            if position is None:
-                continue
-            history = self._history.setdefault(tp, deque())
-            if not history or history[-1][1] != position:
-                history.append((now, position))
-            # Keep the newest sample at or before the cutoff: the position the lane had then.
-            while len(history) >= 2 and history[1][0] <= cutoff:
-                history.popleft()
-
-    def _lookback_start(self, tp: TopicPartition, lane: Lane, now: float) -> int:
-        """
-        Where a watcher without a stored position starts on ``tp``: the lowest position the lane
-        had in the last ``late_join_lookback`` seconds (its start, if the stream is younger). A
-        position at time t is at or below every offset first read after t, so every message
-        published within the lookback reaches the watcher. 0 turns this off: the read end.
-        """
-        next_read = lane.next_read()
-        if self._lookback <= 0:
-            return next_read
-        self._sample_positions(now)
-        history = self._history.get(tp)
-        return min((position for _, position in history), default=next_read) if history else next_read
-
-    def _rewind(self, consumer: AIOKafkaConsumer, tp: TopicPartition, late: dict[int, int]) -> None:
-        """
-        Re-read ``tp`` from the lowest position in ``late`` under a new epoch. Outcomes of the old
-        epoch still in flight are dropped when they arrive (never committed); the offsets they
-        cover are at or above ``lane.position()``, so they are read again, and the watchers that
-        were here get them again too (their threshold is ``lane.position()``, not the read end).
-        """
-        lane = self._lanes[tp]
-        resume = lane.position()
-        if resume is None:
-            resume = lane.next_read()
-        positions = self.gate.positions
-        thresholds = {n: max(first, resume) for n, first in lane.thresholds.items() if n in positions.members}
-        thresholds.update(late)
-        start = min(thresholds.values())
-        rewound = Lane.placed(next(_epochs), start, attempts=dict(lane.attempts), thresholds=thresholds)
-        rewound.dead = set(lane.dead)
-        self._lanes[tp] = rewound
-        consumer.seek(tp, start)
-        self.counters.add("rewinds")
-
-    async def _drain(self, timeout: float) -> None:
-        """Wait (bounded) until nothing is in flight: a rewind then re-delivers nothing twice."""
-        deadline = time.monotonic() + timeout
-        # Polled: a rare path (a late watcher), bounded, and advance() signals no "all settled".
-        while self._in_flight > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-
-    def _usable_positions(
-        self, tp: TopicPartition, members: Sequence[PositionMember], *, end: int | None
-    ) -> dict[int, int]:
-        """``member number -> stored position`` on ``tp``, without positions past the log end."""
-        label = self._label(tp)
-        usable: dict[int, int] = {}
-        for member in members:
-            first = member.stored.get(label) if member.stored else None
-            if first is None:
-                continue
-            if end is not None and first > end:
-                # The topic was re-created (or truncated): the position means nothing any more.
-                self.log.warning(
-                    "Ignoring position %d of watcher %s on %s: past the log end %d", first, member.identity, label, end
-                )
-                continue
-            usable[member.number] = first
-        return usable
-
-    def _positions_of(self, member: PositionMember) -> dict[str, int] | None:
-        """
-        What to store for ``member``: per lane, ``lane.position()`` once the member's threshold is
-        at or below it (it received everything in between), else what it had (see the invariant in
-        _core/positions.py).
-        """
-        out: dict[str, int] = {}
-        for tp, lane in self._lanes.items():
-            label = self._label(tp)
-            first = lane.thresholds.get(member.number)
-            position = lane.position()
-            if first is not None and position is not None and first <= position:
-                out[label] = position
-                continue
-            kept = member.written.get(label)
-            if kept is None and member.stored:
-                kept = member.stored.get(label)
-            if kept is not None:
-                out[label] = kept
-        return out or None
-
     # -- the stream ----------------------------------------------------------------------------
     async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
         consumer = await self._start_consumer()
@@ -677,21 +466,31 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         positions = self.gate.positions
         keep_positions = self._watcher_positions
         write_interval = position_interval()
+        placement: WatcherPlacement | None = None
         if keep_positions:
-            await self._place_at_start(consumer)
+            placement = self._placement = WatcherPlacement(
+                lanes=self._lanes,
+                positions=positions,
+                counters=self.counters,
+                log=self.log,
+                source_label=self.source_label(),
+                in_flight=lambda: self._in_flight,
+                lookback=late_join_lookback(),
+            )
+            await placement.place_at_start(consumer)
         poll_ms = int(self.settings.poll_timeout * 1000)
         group_id = self.group_id
         max_payload_bytes = self.max_envelope_bytes
         oversize_policy = self.settings.oversize_policy
         while True:
-            if keep_positions:
+            if placement is not None:
                 if positions.unplaced:
-                    await self._place_late(consumer)
+                    await placement.place_late(consumer)
                 if positions.write_due(write_interval):
-                    positions.schedule_write(self._positions_of)
+                    positions.schedule_write(placement.positions_of)
                 now = time.monotonic()
-                if now - self._last_sample >= POSITION_SAMPLE_INTERVAL:
-                    self._sample_positions(now)
+                if placement.sample_due(now):
+                    placement.sample_positions(now)
             credit = await self._credit_or_keepalive(consumer)
             if credit == 0:
                 continue
@@ -1036,10 +835,11 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
 
     async def _close(self) -> None:
         gate = self._gate
-        if self._watcher_positions and gate is not None and self._lanes:
+        placement = self._placement
+        if placement is not None and gate is not None and self._lanes:
             # A graceful stop: store how far the watchers got (a crash skips this; positions then
             # lag by up to position_interval, which costs duplicates, never loss).
-            await gate.positions.flush(self._positions_of, timeout=POSITION_FLUSH_TIMEOUT)
+            await gate.positions.flush(placement.positions_of, timeout=POSITION_FLUSH_TIMEOUT)
             gate.positions.positions_of = None
         try:
             await self._close_clients()

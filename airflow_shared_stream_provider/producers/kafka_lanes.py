@@ -12,9 +12,18 @@ does; some Kafka-compatible brokers drop it, and then the count restarts with th
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import deque
 from dataclasses import dataclass, field
+
+# Lane epochs, unique in the process: outcomes of an older epoch of a partition are dropped.
+_epochs = itertools.count(1)
+
+
+def next_epoch() -> int:
+    return next(_epochs)
+
 
 # Kafka's default offset.metadata.max.bytes is 4096: keep the attempt map well below it.
 MAX_TRACKED_ATTEMPTS = 64

@@ -1,0 +1,267 @@
+"""
+Kafka watcher positions, the producer's side (``position_store="watchers"``; the watcher side and the
+invariant are in _core/positions.py): where each partition starts, where a watcher that joins the
+running stream starts, the rewind for one that is behind, and what each watcher's stored position is.
+
+Pure of the Kafka client at run time (the consumer is passed in; its types are for the checker
+only), on the producer's own lanes: :class:`WatcherPlacement` reads and replaces entries of the
+producer's ``lanes`` dict, never rebinds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from airflow_shared_stream_provider._core.metrics import StreamCounters
+from airflow_shared_stream_provider._core.positions import PositionMember, WatcherPositions
+from airflow_shared_stream_provider.producers.kafka_lanes import Lane, next_epoch
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+# How long the stream waits at start for the watchers' stored positions, and how long a rewind
+# waits for in-flight messages to settle.
+POSITION_LOOKUP_TIMEOUT = 10.0
+REWIND_DRAIN_TIMEOUT = 15.0
+# How often a lane's position is sampled for the late-join lookback (see lookback_start).
+POSITION_SAMPLE_INTERVAL = 1.0
+
+
+def lane_label(tp: TopicPartition) -> str:
+    """A partition as the stored positions name it: ``topic/partition``."""
+    return f"{tp.topic}/{tp.partition}"
+
+
+class WatcherPlacement:
+    """The watcher positions of one Kafka stream (one producer), on its lanes."""
+
+    def __init__(
+        self,
+        *,
+        lanes: dict[TopicPartition, Lane],
+        positions: WatcherPositions,
+        counters: StreamCounters,
+        log: logging.Logger,
+        source_label: str,
+        in_flight: Callable[[], int],
+        lookback: float,
+    ) -> None:
+        self.lanes = lanes
+        self.positions = positions
+        self.counters = counters
+        self.log = log
+        self.source_label = source_label
+        self.in_flight = in_flight
+        self.lookback = lookback
+        # Per lane, (monotonic time, lane.position()) at each change within the late-join lookback,
+        # plus the last sample before it: where the lane was ``lookback`` seconds ago.
+        self._history: dict[TopicPartition, deque[tuple[float, int]]] = {}
+        self.last_sample = 0.0
+
+    def forget(self, tp: TopicPartition) -> None:
+        """The partition is no longer this stream's (revoked)."""
+        self._history.pop(tp, None)
+
+    def sample_due(self, now: float) -> bool:
+        return now - self.last_sample >= POSITION_SAMPLE_INTERVAL
+
+    async def place_at_start(self, consumer: AIOKafkaConsumer) -> None:
+        """
+        Start every lane at the lowest stored position of the watchers present (the committed
+        offset for a watcher without one), and give each watcher its threshold: it skips what is
+        below its own position (it fired those already).
+        """
+        positions = self.positions
+        await positions.wait_lookups(timeout=POSITION_LOOKUP_TIMEOUT)
+        members = positions.take_placeable(everyone=True)
+        tps = list(self.lanes)
+        committed_map = await consumer._coordinator.fetch_committed_offsets(tps)
+        ends = await consumer.end_offsets(tps)
+        committed: dict[TopicPartition, int | None] = {}
+        usable: dict[TopicPartition, dict[int, int]] = {}
+        for tp in tps:
+            entry = committed_map.get(tp)
+            committed[tp] = entry.offset if entry is not None and entry.offset >= 0 else None
+            stored = usable[tp] = self.usable_positions(tp, members, end=ends.get(tp))
+            if not stored:
+                continue  # nobody has a position here: the committed offset (or auto.offset.reset)
+            start = min(stored.values())
+            fallback = committed[tp]
+            if fallback is not None and len(stored) < len(members):
+                start = min(start, fallback)  # a watcher without a position starts there
+            consumer.seek(tp, start)
+        for tp in tps:
+            offset = await consumer.position(tp)  # resolves committed offset / auto.offset.reset
+            stored = usable[tp]
+            default = committed[tp] if committed[tp] is not None else offset
+            lane = Lane.placed(
+                next_epoch(),
+                offset,
+                attempts={},
+                thresholds={m.number: max(offset, stored.get(m.number, default)) for m in members},
+            )
+            entry = committed_map.get(tp)
+            if entry is not None:
+                lane.restore_attempts(entry.metadata)  # attempt counts of held messages (kafka_lanes)
+            self.lanes[tp] = lane
+        for member in members:
+            member.placed = True
+        positions.positions_of = self.positions_of
+        self.sample_positions(time.monotonic())  # a stream younger than the lookback: its start
+        self.log.info(
+            "Kafka shared stream %s placed %d watcher(s): %s",
+            self.source_label,
+            len(members),
+            {lane_label(tp): (lane.next_read(), lane.floor) for tp, lane in self.lanes.items()},
+        )
+
+    async def place_late(self, consumer: AIOKafkaConsumer) -> None:
+        """
+        Watchers that joined the running stream (a triggerer that died handed them over, a Dag was
+        added, the cohort wait timed out). One whose stored position is behind a lane makes that
+        lane rewind to it: the lane is re-read from there, and every other watcher skips what it
+        had already (its threshold is where the lane was). One without a stored position starts
+        where the lane was ``late_join_lookback`` seconds ago (:meth:`lookback_start`), not at the
+        read end: it may be a watcher whose last triggerer died before storing its first position.
+        """
+        positions = self.positions
+        members = positions.take_placeable()
+        if not members:
+            return
+        ends = await consumer.end_offsets(list(self.lanes))
+        now = time.monotonic()
+        behind: dict[TopicPartition, dict[int, int]] = {}
+        unrecorded: dict[str, int] = {}
+        for tp, lane in self.lanes.items():
+            next_read = lane.next_read()
+            stored = self.usable_positions(tp, members, end=ends.get(tp))
+            thresholds = {n: first for n, first in lane.thresholds.items() if n in positions.members}
+            for member in members:
+                first = stored.get(member.number)
+                if first is None:
+                    first = self.lookback_start(tp, lane, now)
+                    unrecorded[lane_label(tp)] = first
+                if first >= next_read:
+                    thresholds[member.number] = first
+                else:
+                    behind.setdefault(tp, {})[member.number] = first
+            lane.set_thresholds(thresholds)
+        if behind:
+            await self.drain(REWIND_DRAIN_TIMEOUT)
+            for tp, late in behind.items():
+                self.rewind(consumer, tp, late)
+        for member in members:
+            member.placed = True
+        self.log.info(
+            "Kafka shared stream %s placed %d late watcher(s); rewound %s; without a stored position "
+            "(started %.0f s back, late_join_lookback): %s",
+            self.source_label,
+            len(members),
+            {lane_label(tp): min(late.values()) for tp, late in behind.items()} or "nothing",
+            self.lookback,
+            unrecorded or "none",
+        )
+
+    def sample_positions(self, now: float) -> None:
+        """Note each lane's position if it moved (bounded: changes within the lookback, plus one)."""
+        self.last_sample = now
+        if self.lookback <= 0:
+            return
+        cutoff = now - self.lookback
+        for tp, lane in self.lanes.items():
+            position = lane.position()
+            if position is None:
+                continue
+            history = self._history.setdefault(tp, deque())
+            if not history or history[-1][1] != position:
+                history.append((now, position))
+            # Keep the newest sample at or before the cutoff: the position the lane had then.
+            while len(history) >= 2 and history[1][0] <= cutoff:
+                history.popleft()
+
+    def lookback_start(self, tp: TopicPartition, lane: Lane, now: float) -> int:
+        """
+        Where a watcher without a stored position starts on ``tp``: the lowest position the lane
+        had in the last ``late_join_lookback`` seconds (its start, if the stream is younger). A
+        position at time t is at or below every offset first read after t, so every message
+        published within the lookback reaches the watcher. 0 turns this off: the read end.
+        """
+        next_read = lane.next_read()
+        if self.lookback <= 0:
+            return next_read
+        self.sample_positions(now)
+        history = self._history.get(tp)
+        return min((position for _, position in history), default=next_read) if history else next_read
+
+    def rewind(self, consumer: AIOKafkaConsumer, tp: TopicPartition, late: dict[int, int]) -> None:
+        """
+        Re-read ``tp`` from the lowest position in ``late`` under a new epoch. Outcomes of the old
+        epoch still in flight are dropped when they arrive (never committed); the offsets they
+        cover are at or above ``lane.position()``, so they are read again, and the watchers that
+        were here get them again too (their threshold is ``lane.position()``, not the read end).
+        """
+        lane = self.lanes[tp]
+        resume = lane.position()
+        if resume is None:
+            resume = lane.next_read()
+        positions = self.positions
+        thresholds = {n: max(first, resume) for n, first in lane.thresholds.items() if n in positions.members}
+        thresholds.update(late)
+        start = min(thresholds.values())
+        rewound = Lane.placed(next_epoch(), start, attempts=dict(lane.attempts), thresholds=thresholds)
+        rewound.dead = set(lane.dead)
+        self.lanes[tp] = rewound
+        consumer.seek(tp, start)
+        self.counters.add("rewinds")
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (bounded) until nothing is in flight: a rewind then re-delivers nothing twice."""
+        deadline = time.monotonic() + timeout
+        # Polled: a rare path (a late watcher), bounded, and advance() signals no "all settled".
+        while self.in_flight() > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+    def usable_positions(
+        self, tp: TopicPartition, members: Sequence[PositionMember], *, end: int | None
+    ) -> dict[int, int]:
+        """``member number -> stored position`` on ``tp``, without positions past the log end."""
+        label = lane_label(tp)
+        usable: dict[int, int] = {}
+        for member in members:
+            first = member.stored.get(label) if member.stored else None
+            if first is None:
+                continue
+            if end is not None and first > end:
+                # The topic was re-created (or truncated): the position means nothing any more.
+                self.log.warning(
+                    "Ignoring position %d of watcher %s on %s: past the log end %d", first, member.identity, label, end
+                )
+                continue
+            usable[member.number] = first
+        return usable
+
+    def positions_of(self, member: PositionMember) -> dict[str, int] | None:
+        """
+        What to store for ``member``: per lane, ``lane.position()`` once the member's threshold is
+        at or below it (it received everything in between), else what it had (see the invariant in
+        _core/positions.py).
+        """
+        out: dict[str, int] = {}
+        for tp, lane in self.lanes.items():
+            label = lane_label(tp)
+            first = lane.thresholds.get(member.number)
+            position = lane.position()
+            if first is not None and position is not None and first <= position:
+                out[label] = position
+                continue
+            kept = member.written.get(label)
+            if kept is None and member.stored:
+                kept = member.stored.get(label)
+            if kept is not None:
+                out[label] = kept
+        return out or None
