@@ -312,17 +312,12 @@ class Chaos(threading.Thread):
         deadline = time.monotonic() + RECONNECT_TIMEOUT
         last_id = 0
         while not self.stop_event.is_set():
-            rows = self.topology.env.query_db(
-                "SELECT e.id, e.timestamp, e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id "
-                "WHERE a.name = ? AND e.id > ? ORDER BY e.id",
-                (watcher, last_id),
-            )
-            for event_id, stamp, extra in rows:
-                last_id = max(last_id, int(event_id))
-                for envelope in envelopes(extra, upstream_text=True):
+            for event in self.topology.env.asset_events(watcher, after_id=last_id):
+                last_id = max(last_id, event["id"])
+                stored = to_epoch(event["timestamp"])
+                for envelope in envelopes(event["extra"], upstream_text=True):
                     body = envelope.get("body")
                     sent_at = body.get("sent_at") if isinstance(body, dict) else None
-                    stored = to_epoch(stamp)
                     if isinstance(sent_at, (int, float)) and sent_at >= since and stored is not None:
                         return round(stored - since, 1)
             if time.monotonic() > deadline:

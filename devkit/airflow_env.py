@@ -596,10 +596,11 @@ class AirflowEnv:
         for dag_id in dag_ids:
             self.api("PATCH", f"/api/v2/dags/{dag_id}", json={"is_paused": True})
 
-    def asset_events(self, asset_name: str | None = None) -> list[dict[str, Any]]:
+    def asset_events(self, asset_name: str | None = None, *, after_id: int = 0) -> list[dict[str, Any]]:
         """
-        Every asset event (optionally of one asset), oldest first: ``id``, ``name`` (the asset's),
-        ``extra`` (decoded JSON) and ``timestamp``.
+        Every asset event (optionally of one asset; ``after_id``: only those with a larger id, for a
+        poll that reads what is new), oldest first: ``id``, ``name`` (the asset's), ``extra``
+        (decoded JSON) and ``timestamp``.
 
         Read from the metadata DB (read-only) rather than ``GET /api/v2/assets/events``: in Airflow
         3.3.2 that endpoint answers 500 while an event is linked to a Dag run that has not started
@@ -608,10 +609,9 @@ class AirflowEnv:
         """
         sql = (
             "SELECT e.id, a.name, e.extra, e.timestamp FROM asset_event e JOIN asset a ON a.id = e.asset_id"
-            + (" WHERE a.name = ?" if asset_name is not None else "")
-            + " ORDER BY e.id"
+            " WHERE e.id > ?" + (" AND a.name = ?" if asset_name is not None else "") + " ORDER BY e.id"
         )
-        rows = self.query_db(sql, (asset_name,) if asset_name is not None else ())
+        rows = self.query_db(sql, (after_id, asset_name) if asset_name is not None else (after_id,))
         return [
             # SQLite returns the JSON column as text, psycopg2 decoded (a dict).
             {"id": int(i), "name": str(n), "extra": json.loads(x) if isinstance(x, str) else x, "timestamp": str(t)}

@@ -134,7 +134,7 @@ class WatcherPlacement:
         if not members:
             return
         ends = await consumer.end_offsets(list(self.lanes))
-        now = time.monotonic()
+        self.sample_positions(time.monotonic())  # the lanes' positions now belong to the lookback
         behind: dict[TopicPartition, dict[int, int]] = {}
         unrecorded: dict[str, int] = {}
         for tp, lane in self.lanes.items():
@@ -144,8 +144,9 @@ class WatcherPlacement:
             for member in members:
                 first = stored.get(member.number)
                 if first is None:
-                    first = self.lookback_start(tp, lane, now)
-                    unrecorded[lane_label(tp)] = first
+                    first = unrecorded.get(lane_label(tp))
+                    if first is None:
+                        first = unrecorded[lane_label(tp)] = self.lookback_start(tp, lane)
                 if first >= next_read:
                     thresholds[member.number] = first
                 else:
@@ -184,17 +185,18 @@ class WatcherPlacement:
             while len(history) >= 2 and history[1][0] <= cutoff:
                 history.popleft()
 
-    def lookback_start(self, tp: TopicPartition, lane: Lane, now: float) -> int:
+    def lookback_start(self, tp: TopicPartition, lane: Lane) -> int:
         """
         Where a watcher without a stored position starts on ``tp``: the lowest position the lane
         had in the last ``late_join_lookback`` seconds (its start, if the stream is younger). A
         position at time t is at or below every offset first read after t, so every message
         published within the lookback reaches the watcher. 0 turns this off: the read end.
+        The caller samples the lanes first (:meth:`sample_positions`): the history then holds
+        the lane's position now, so the start is never above it.
         """
         next_read = lane.next_read()
         if self.lookback <= 0:
             return next_read
-        self.sample_positions(now)
         history = self._history.get(tp)
         return min((position for _, position in history), default=next_read) if history else next_read
 
