@@ -15,9 +15,11 @@ import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -54,13 +56,6 @@ DIST = "airflow-shared-stream-provider"
 by_name = pytest.mark.parametrize("spec", BROKERS, ids=[spec.name for spec in BROKERS])
 
 
-def _python(code: str) -> str:
-    """Run ``code`` in a fresh interpreter (sys.modules untouched by this test run); its stdout."""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
 # -- one entry ---------------------------------------------------------------------------------------
 @by_name
 def test_the_settings_declare_the_entrys_name(spec: BrokerSpec) -> None:
@@ -92,39 +87,75 @@ def test_the_producer_takes_its_broker_from_the_settings(spec: BrokerSpec) -> No
     assert not declared, f"broker is declared on {declared}: the settings' ClassVar is the one declaration"
 
 
-@by_name
-def test_the_trigger_module_imports_no_sdk_and_the_producer_does(spec: BrokerSpec) -> None:
-    """Both halves: an SDK prefix the producer never loads would make the hygiene test vacuous."""
-    producer_module = spec.producer.partition(":")[0]
-    out = _python(
-        "import sys, importlib\n"
-        f"importlib.import_module({spec.trigger_module!r})\n"
-        f"print('TRIGGER=' + ','.join(sorted(m for m in sys.modules if m.startswith({sdk_module_prefixes()!r}))))\n"
-        f"importlib.import_module({producer_module!r})\n"
-        f"print('PRODUCER=' + ','.join(sorted(m for m in sys.modules if m.startswith({spec.sdk_modules!r}))))\n"
+# -- what a fresh interpreter loads (one subprocess for every broker: tests/unit/import_probe.py) --------
+# A trigger each broker's probe builds (construct, serialize, key) with the SDK absent from sys.modules.
+EXAMPLE_TRIGGER_ARGUMENTS: dict[str, dict[str, object]] = {
+    "kafka": {"topics": ["orders"]},
+    "sqs": {"queue_url": "https://sqs.eu-west-1.amazonaws.com/123456789012/orders"},
+    "pubsub": {"subscription": "projects/p-1/subscriptions/orders"},
+    "servicebus": {"queue_name": "orders"},
+    "redis": {"stream": "orders"},
+}
+CORE_MODULES = sorted(f"{PACKAGE}._core.{path.stem}" for path in (ROOT / PACKAGE / "_core").glob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def fresh_imports() -> dict[str, Any]:
+    assert set(EXAMPLE_TRIGGER_ARGUMENTS) == set(BROKER_NAMES), "a new broker needs its example trigger arguments"
+    assert f"{PACKAGE}._core.producer" in CORE_MODULES
+    request = {
+        "sdk_prefixes": list(sdk_module_prefixes()),
+        "quiet_modules": [PACKAGE, f"{PACKAGE}.brokers", f"{PACKAGE}.queues", *CORE_MODULES],
+        "producers_package": f"{PACKAGE}.producers",
+        "brokers": [
+            {
+                "name": spec.name,
+                "trigger": spec.trigger,
+                "example": EXAMPLE_TRIGGER_ARGUMENTS[spec.name],
+                "producer_module": spec.producer.partition(":")[0],
+                "sdk_modules": list(spec.sdk_modules),
+            }
+            for spec in BROKERS
+        ],
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.unit.import_probe"],
+        input=json.dumps(request),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
     )
-    lines = dict(line.split("=", 1) for line in out.splitlines() if line.startswith(("TRIGGER=", "PRODUCER=")))
-    assert lines["TRIGGER"] == "", f"{spec.trigger_module} loads broker SDK modules: {lines['TRIGGER']}"
-    assert lines["PRODUCER"], f"{producer_module} loads nothing under {spec.sdk_modules}: wrong sdk_modules?"
+    assert result.returncode == 0, result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("IMPORT_PROBE=")]
+    answer: dict[str, Any] = json.loads(line.partition("=")[2])
+    return answer
+
+
+def test_dag_file_imports_load_no_broker_sdk(fresh_imports: dict[str, Any]) -> None:
+    """The package root, the registry, queues, every ``_core`` module and every broker's trigger, built."""
+    assert fresh_imports["quiet"] == [], f"broker SDK modules loaded by Dag-file imports: {fresh_imports['quiet']}"
 
 
 @by_name
-def test_a_missing_sdk_names_the_entrys_extra(spec: BrokerSpec) -> None:
-    """Every module under the entry's SDK prefixes made unimportable: the producer names the extra."""
-    producer_module = spec.producer.partition(":")[0]
-    out = _python(
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        f"        if name.startswith({spec.sdk_modules!r}):\n"
-        "            raise ImportError('blocked: ' + name)\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "try:\n"
-        f"    import {producer_module}\n"
-        "except ImportError as exc:\n"
-        "    print('ERROR=' + str(exc))\n"
-    )
-    assert f"pip install 'airflow-shared-stream-provider[{spec.extra}]'" in out, out
+def test_the_producer_loads_the_sdk_the_entry_names(spec: BrokerSpec, fresh_imports: dict[str, Any]) -> None:
+    """The other half: an SDK prefix the producer never loads would make the hygiene check vacuous."""
+    assert fresh_imports["producers"][spec.name], f"{spec.producer} loads nothing under {spec.sdk_modules}"
+
+
+@by_name
+def test_a_missing_sdk_names_the_entrys_extra(spec: BrokerSpec, fresh_imports: dict[str, Any]) -> None:
+    """
+    Every module under the entry's SDK prefixes unimportable: the producer raises Airflow's optional
+    feature error (``ProvidersManager`` reports a disabled feature, not a broken provider), which is
+    also an ``ImportError``, naming the extra to install.
+    """
+    blocked = fresh_imports["blocked"][spec.name]
+    assert {"MissingBrokerSDKError", "AirflowOptionalProviderFeatureException", "ImportError"} <= set(
+        blocked["classes"]
+    ), blocked
+    assert f"pip install 'airflow-shared-stream-provider[{spec.extra}]'" in blocked["message"], blocked
 
 
 @by_name

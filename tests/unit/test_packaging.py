@@ -6,7 +6,6 @@ hold only broker SDKs, and Airflow's optional-feature error for a missing SDK.
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
 if sys.version_info >= (3, 11):
@@ -16,7 +15,6 @@ else:  # Python 3.10
 from importlib.metadata import metadata, version
 from pathlib import Path
 
-import pytest
 import yaml
 from packaging.requirements import Requirement
 
@@ -78,29 +76,3 @@ def test_extras_hold_only_broker_sdks_and_tools_are_dependency_groups() -> None:
     assert published == {Requirement(r).name for spec in BROKERS for r in extras[spec.extra]}
     # The installed metadata agrees (what PyPI would publish).
     assert set(metadata(DIST).get_all("Provides-Extra") or []) == set(extras)
-
-
-@pytest.mark.parametrize(
-    ("module", "blocked", "extra"),
-    [
-        ("airflow_shared_stream_provider.producers.kafka", "aiokafka", "kafka"),
-        ("airflow_shared_stream_provider.producers.sqs", "aiobotocore", "sqs"),
-        ("airflow_shared_stream_provider.producers.pubsub", "google.pubsub_v1", "pubsub"),
-        ("airflow_shared_stream_provider.producers.servicebus", "azure.servicebus", "servicebus"),
-    ],
-)
-def test_a_missing_sdk_is_airflows_optional_provider_feature_error(module: str, blocked: str, extra: str) -> None:
-    """Airflow's convention (ProvidersManager reports it as an optional feature); still an ImportError."""
-    code = (
-        "import sys\n"
-        f"sys.modules[{blocked!r}] = None\n"
-        "from airflow.exceptions import AirflowOptionalProviderFeatureException\n"
-        "try:\n"
-        f"    import {module}\n"
-        "except AirflowOptionalProviderFeatureException as exc:\n"
-        "    print('RESULT=' + ('ImportError' if isinstance(exc, ImportError) else 'not an ImportError'), exc)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    [line] = [line for line in result.stdout.splitlines() if line.startswith("RESULT=")] or [result.stderr]
-    assert line.startswith("RESULT=ImportError "), line
-    assert f"pip install 'airflow-shared-stream-provider[{extra}]'" in line
