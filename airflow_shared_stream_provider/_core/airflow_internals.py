@@ -164,6 +164,29 @@ def _check_accessor_by_name() -> Problem:
     return f"AssetStateStoreAccessor has no coroutine {', '.join(not_async)}" if not_async else None
 
 
+def _check_overflow_failure() -> Problem:
+    cls = getattr(_shared_stream(), "_SubscriberOverflow", None)
+    if cls is None:
+        return f"{SHARED_STREAM}._SubscriberOverflow is missing"
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        return f"{SHARED_STREAM}._SubscriberOverflow is not an exception class"
+    return None
+
+
+def force_failures() -> tuple[type[BaseException], ...]:
+    """
+    The exceptions the manager fails a watcher with (ack timeout, queue overflow): what a watcher's
+    subscription raises when the manager gave up on it, as opposed to anything its own code raised.
+
+    Evaluated by an ``except`` clause, so for every exception that passes it, this one among them:
+    it must not raise. A missing class is left out; the stream never runs without it anyway
+    (:func:`require_airflow_internals`, the ``_SubscriberOverflow`` entry of :data:`INTERNALS`).
+    """
+    module = _shared_stream()
+    found = (getattr(module, "AckTimeout", None), getattr(module, "_SubscriberOverflow", None))
+    return tuple(cls for cls in found if isinstance(cls, type) and issubclass(cls, BaseException))
+
+
 _BINDING_CHECK = "the graceful-stop check of _core/binding.py"
 _GRACEFUL_LOSS = (
     "a watcher can no longer tell whether the event it handed over was bound; messages fired while "
@@ -228,6 +251,14 @@ INTERNALS: Final[tuple[AirflowInternal, ...]] = (
         "(heartbeats of cohort members running elsewhere)",
         "split detection: a stream split across triggerers would no longer be reported",
         _check_accessor_by_name,
+    ),
+    AirflowInternal(
+        f"{SHARED_STREAM}._SubscriberOverflow",
+        "_core/trigger.py: telling a watcher force-failed for a full queue from one whose own code "
+        "raised (force_failures), to mark the message it stood on as the suspect (_core/attempts.py)",
+        "failures of a watcher whose queue overflowed would not count toward any message's poison "
+        "cap until the collateral ceiling (max_delivery_attempts x 4 deliveries)",
+        _check_overflow_failure,
     ),
 )
 

@@ -97,7 +97,17 @@ class StreamMessage:
     watchers only call :meth:`reject` / :meth:`fail`.
     """
 
-    __slots__ = ("culprit", "envelope", "failures", "forced_rejection", "held_bytes", "rejections", "seq", "skip_for")
+    __slots__ = (
+        "culprit",
+        "envelope",
+        "failures",
+        "forced_rejection",
+        "held_bytes",
+        "rejections",
+        "seq",
+        "skip_for",
+        "suspect",
+    )
 
     def __init__(self, envelope: dict[str, Any], seq: int, forced_rejection: str | None = None) -> None:
         self.envelope = envelope
@@ -110,6 +120,10 @@ class StreamMessage:
         self.skip_for: frozenset[int] | None = None
         # A watcher failed *on* this message (not merely alongside it, in its batch).
         self.culprit = False
+        # The manager force-failed a watcher (ack timeout, overflow) while it stood on this message:
+        # the failure counts toward this message's poison cap, not toward the messages queued
+        # behind it (_core/attempts.py, collateral failures).
+        self.suspect = False
         # What the producer counted against max_in_flight_bytes for it (_core/flow.py, byte budget).
         self.held_bytes = 0
 

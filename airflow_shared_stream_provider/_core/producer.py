@@ -62,6 +62,7 @@ from typing import Any, ClassVar, Final, Generic, TypeVar
 from airflow.triggers.shared_stream import AdvanceItem, AdvanceOutcome, SharedStreamProducer
 
 from airflow_shared_stream_provider._core.airflow_internals import require_airflow_internals
+from airflow_shared_stream_provider._core.attempts import COLLATERAL_CEILING, FORGIVEN_MEMORY, MessageCounts
 from airflow_shared_stream_provider._core.batching import BATCH_OVERHEAD, Batcher, MessageBatch, batched_stream
 from airflow_shared_stream_provider._core.cohort import cohort_limits, cohort_record_enabled, record_key
 from airflow_shared_stream_provider._core.dispositions import COMMIT_DECISION, Decision, Disposition, decide
@@ -226,6 +227,10 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
     # The largest message the broker takes: the size the byte budget assumes for a stream's first
     # receive, before it has seen a message (_core/flow.py).
     max_message_bytes: ClassVar[int]
+    # Collateral failures (_core/attempts.py) are forgiven by the base from the broker's delivery
+    # count. False for a broker that counts attempts itself and already counts only suspects
+    # (Kafka: the culprit or the lowest failed offset of its partition, kafka_lanes).
+    forgives_collateral_failures: ClassVar[bool] = True
 
     def __init__(self, settings: SettingsT, *, stream_key: Hashable) -> None:
         self.settings = settings
@@ -262,6 +267,10 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         self._split_task: asyncio.Future[None] | None = None
         # Receives travelling (concurrent_receives > 0) and how many messages each asked for.
         self._receives: dict[asyncio.Future[list[Any]], int] = {}
+        # attempt_key -> deliveries the poison cap does not count (collateral failures, _core/attempts.py).
+        self._forgiven: MessageCounts[Hashable] | None = (
+            MessageCounts(FORGIVEN_MEMORY) if self.forgives_collateral_failures else None
+        )
 
     # -- for subclasses ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -693,6 +702,10 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         batch.seq = self.gate.next_seq()
         self.counters.add("batches")
 
+    def attempt_key(self, delivery: DeliveryT) -> Hashable:
+        """The id a message keeps across its deliveries (forgiven collateral failures are kept by it)."""
+        return delivery.message.envelope.get("message_id")
+
     def get_advance_lane(self, broker_payload: Any) -> Hashable:
         if isinstance(broker_payload, MessageBatch):
             return broker_payload.lane
@@ -729,13 +742,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
                 # so it goes back without counting a delivery attempt, like one nobody saw.
                 decided.append(Decided(delivery, UNRECORDED_DECISION))
                 continue
-            decision = decide(
-                message_outcome(outcome, message),
-                delivery_attempt=delivery.delivery_attempt,
-                max_delivery_attempts=max_attempts,
-                rejections=message.rejections,
-            )
-            decided.append(Decided(delivery, decision))
+            decided.append(Decided(delivery, self._decide(delivery, message_outcome(outcome, message), max_attempts)))
         try:
             applied = await self._apply(decided)
         finally:
@@ -753,6 +760,48 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         else:
             self._count(batch, applied if applied is not None else decided)
         self._defer_release(batch, decided, held_bytes)
+
+    def _decide(self, delivery: DeliveryT, outcome: AdvanceOutcome, max_attempts: int | None) -> Decision:
+        """
+        :func:`decide` for a message that is not simply committed, with the broker's delivery count
+        less the collateral failures forgiven so far (``_core/attempts.py``). A failure is
+        collateral when the manager failed the message only because it failed a watcher that
+        stood on another one: no watcher failed on it (``culprit``), none stood on it
+        (``suspect``), none rejected it.
+        """
+        message = delivery.message
+        forgiven = self._forgiven
+        if forgiven is None:
+            return decide(
+                outcome,
+                delivery_attempt=delivery.delivery_attempt,
+                max_delivery_attempts=max_attempts,
+                rejections=message.rejections,
+            )
+        key = self.attempt_key(delivery)
+        counted = delivery.delivery_attempt - forgiven.get(key)
+        collateral = outcome.failed and not outcome.rejected and not message.culprit and not message.suspect
+        if collateral:
+            counted -= 1  # this delivery is not the message's failure either
+        decision = decide(
+            outcome,
+            delivery_attempt=counted,
+            max_delivery_attempts=max_attempts,
+            rejections=message.rejections,
+        )
+        if decision.disposition is Disposition.REDELIVER and collateral:
+            if max_attempts is not None and delivery.delivery_attempt >= max_attempts * COLLATERAL_CEILING:
+                forgiven.forget(key)
+                return Decision(
+                    Disposition.DEAD_LETTER,
+                    f"poison message: delivered {delivery.delivery_attempt} times, each failed beside another "
+                    f"message's failure (ack timeouts or overflows; the ceiling is {COLLATERAL_CEILING} x "
+                    f"max_delivery_attempts={max_attempts})",
+                )
+            forgiven.increment(key)
+        elif decision.disposition in (Disposition.COMMIT, Disposition.DEAD_LETTER):
+            forgiven.forget(key)
+        return decision
 
     def _defer_release(
         self, batch: Sequence[AdvanceItem], decided: Sequence[Decided[DeliveryT]], held_bytes: int

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, TypedDict
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow.triggers.shared_stream import reject_shared_stream_event
 
+from airflow_shared_stream_provider._core.airflow_internals import force_failures
 from airflow_shared_stream_provider._core.batching import MessageBatch
 from airflow_shared_stream_provider._core.binding import current_window, was_bound
 from airflow_shared_stream_provider._core.cohort import cohort_record_enabled, identity_of, record_key, stores_of
@@ -106,7 +107,9 @@ class SharedStreamOptions(TypedDict, total=False):
 
     * ``max_payload_bytes``: cap of one event payload stored in the metadata DB (default 65536).
     * ``oversize_policy``: ``dead_letter`` (default) or ``truncate`` for larger messages.
-    * ``max_delivery_attempts``: poison cap (default 5, None = off).
+    * ``max_delivery_attempts``: poison cap (default 5, None = off): failed deliveries counted; a
+      failure that was only collateral (queued behind the message a force-failed watcher stood on)
+      is not (``_core/attempts.py``).
     * ``max_in_flight``: most messages received but not yet advanced (default 10000).
     * ``max_in_flight_bytes``: most bytes those messages hold (bodies, attributes, envelopes;
       default 64 MiB; one message larger still flows, alone; see docs/reliability.md, Memory).
@@ -251,6 +254,8 @@ class SharedStreamTrigger(BaseEventTrigger):
         scope = self.settings.position_scope()
         # -1: no position kept, never in a message's skip_for.
         member = gate.positions.join(identity, position_key(scope, identity), stores) if scope is not None else -1
+        # What this watcher stands on: the suspect if the manager force-fails it (the except below).
+        standing_on: StreamMessage | MessageBatch | None = None
         try:
             # Inside the try: registration above must stay before the first await (see flow.py),
             # and the finally must undo it when the filter cannot be imported.
@@ -259,6 +264,7 @@ class SharedStreamTrigger(BaseEventTrigger):
             notes_fired = self.flush_after is not None
             async for raw in raw_events:
                 if isinstance(raw, StreamMessage):
+                    standing_on = raw
                     # The per-message path, inline: it runs once per message per watcher.
                     gate.consumed(token, raw.seq)
                     if raw.skip_for is not None and member in raw.skip_for:
@@ -288,6 +294,7 @@ class SharedStreamTrigger(BaseEventTrigger):
                         else:  # keep the mark and stop the intake: see _core/binding.py
                             _stopping(gate, key)
                 elif isinstance(raw, MessageBatch):
+                    standing_on = raw
                     gate.consumed(token, raw.seq)
                     batch_event = await self._filter_batch(raw, member, threaded)
                     if batch_event is not None:
@@ -307,6 +314,15 @@ class SharedStreamTrigger(BaseEventTrigger):
                     yield raw
                 else:
                     raise TypeError(f"{type(self).__name__} expects StreamMessage raw events, got {type(raw)!r}")
+        except force_failures():
+            # The manager gave up on this watcher (ack timeout, full queue) and fails every message
+            # it still had outstanding. The one it stood on is the suspect; the others only queued
+            # behind it, and their failures are collateral (_core/attempts.py): they do not count
+            # toward their poison caps.
+            if standing_on is not None:
+                for message in standing_on.messages if isinstance(standing_on, MessageBatch) else (standing_on,):
+                    message.suspect = True
+            raise
         finally:
             if self._threaded is not None:
                 self._threaded.close()

@@ -262,6 +262,9 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
     """The broker side of :class:`~airflow_shared_stream_provider.triggers.kafka.KafkaSharedStreamTrigger`."""
 
     max_message_bytes = 1024 * 1024  # the broker's default message.max.bytes
+    # Kafka counts attempts itself (kafka_lanes, kept in the committed offset's metadata): with
+    # watcher positions only the culprit, the suspect or the lowest failed offset counts (_apply).
+    forgives_collateral_failures = False
 
     def __init__(self, settings: KafkaStreamSettings, *, stream_key: Hashable) -> None:
         super().__init__(settings, stream_key=stream_key)
@@ -701,6 +704,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 counted = (
                     not self._watcher_positions
                     or delivery.message.culprit
+                    or delivery.message.suspect
                     or not any(held < delivery.offset for held in lane.redeliver)
                 )
                 lane.hold(delivery.offset, attempts=delivery.delivery_attempt - (0 if counted else 1))

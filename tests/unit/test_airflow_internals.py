@@ -136,6 +136,10 @@ def _drop_accessor_aset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(state_store_context.AssetStateStoreAccessor, "aset")
 
 
+def _drop_subscriber_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(shared_stream, "_SubscriberOverflow")
+
+
 REMOVALS: list[tuple[str, Callable[[pytest.MonkeyPatch], None]]] = [
     ("airflow.triggers.shared_stream._reject_context", _drop_reject_context),
     ("airflow.triggers.shared_stream._RejectContext.", _rename_reject_context_field),
@@ -146,6 +150,7 @@ REMOVALS: list[tuple[str, Callable[[pytest.MonkeyPatch], None]]] = [
     ("airflow.triggers.shared_stream._SharedStreamGroup.bind_pending_event", _bind_elsewhere),
     ("airflow.sdk.execution_time.context.AssetStateStoreAccessors.", _rename_accessor_maps),
     ("airflow.sdk.execution_time.context.AssetStateStoreAccessor(", _drop_accessor_aset),
+    ("airflow.triggers.shared_stream._SubscriberOverflow", _drop_subscriber_overflow),
 ]
 
 

@@ -51,26 +51,33 @@ messages = st.tuples(
     st.integers(1, 5),  # delivery attempt
     st.none() | st.lists(st.text(max_size=5), min_size=1, max_size=2),  # rejections
     st.none() | st.lists(st.text(max_size=5), min_size=1, max_size=2),  # failures
+    st.booleans(),  # culprit: a watcher failed on this very message
+    st.booleans(),  # suspect: a force-failed watcher stood on it
 )
 
 
 @given(st.lists(messages, min_size=1, max_size=12))
 def test_advance_decides_and_counts_like_decide(
-    cases: list[tuple[AdvanceOutcome, int, list[str] | None, list[str] | None]],
+    cases: list[tuple[AdvanceOutcome, int, list[str] | None, list[str] | None, bool, bool]],
 ) -> None:
     producer = make_producer()
     batch = []
     expected = []
-    for index, (outcome, attempt, rejections, failures) in enumerate(cases):
+    for index, (outcome, attempt, rejections, failures, culprit, suspect) in enumerate(cases):
         message = StreamMessage({"message_id": str(index)}, producer.take_seq())
         message.rejections = rejections
         message.failures = failures
+        message.culprit = culprit
+        message.suspect = suspect
         raw = MemoryMessage(str(index), b"{}", attempts=attempt)
         batch.append(AdvanceItem(MemoryDelivery(message, attempt, raw), outcome))
+        merged = message_outcome(outcome, message)
+        # A collateral failure (_core/attempts.py) is not counted: one delivery less for the cap.
+        collateral = merged.failed and not merged.rejected and not culprit and not suspect
         expected.append(
             decide(
-                message_outcome(outcome, message),
-                delivery_attempt=attempt,
+                merged,
+                delivery_attempt=attempt - (1 if collateral else 0),
                 max_delivery_attempts=3,
                 rejections=rejections,
             )
