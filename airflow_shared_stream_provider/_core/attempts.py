@@ -15,6 +15,9 @@ the poison cap counts the broker's number less those. A message that keeps comin
 ever being a suspect is still dead-lettered once the broker has delivered it
 :data:`COLLATERAL_CEILING` times ``max_delivery_attempts`` (a loop no suspect explains must end).
 A forgotten message counts from the broker's number again: its cap comes sooner, never later.
+The memory is the producer's: a restarted triggerer counts from the broker's number again, except
+where the broker's count can be set back (Redis: ``XCLAIM ... RETRYCOUNT`` on the give-back,
+``forgiveness_is_durable``), which makes the forgiveness part of the broker's own count.
 
 SQS remembers how often it *held* a message (a hold is not a delivery attempt, but SQS's receive
 count grows with it); Pub/Sub counts deliveries itself when the subscription does not. Either way

@@ -140,12 +140,15 @@ DeliveryT = TypeVar("DeliveryT", bound=DeliveryLike)
 class Decided(Generic[DeliveryT]):
     """One message's delivery and what is to be done with it (read-only by convention)."""
 
-    __slots__ = ("decision", "delivery", "disposition")
+    __slots__ = ("decision", "delivery", "disposition", "forgiven")
 
-    def __init__(self, delivery: DeliveryT, decision: Decision) -> None:
+    def __init__(self, delivery: DeliveryT, decision: Decision, *, forgiven: bool = False) -> None:
         self.delivery = delivery
         self.decision = decision
         self.disposition: Disposition = decision.disposition
+        # REDELIVER of a collateral failure (_core/attempts.py): this delivery does not count. A
+        # broker that can set its delivery count back (forgiveness_is_durable) does it in _apply.
+        self.forgiven = forgiven
 
 
 # A message whose only failures are UNRECORDED marks (its events were dropped by a stopping
@@ -231,6 +234,10 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
     # count. False for a broker that counts attempts itself and already counts only suspects
     # (Kafka: the culprit or the lowest failed offset of its partition, kafka_lanes).
     forgives_collateral_failures: ClassVar[bool] = True
+    # The broker's delivery count is set back for each forgiven delivery by the broker's _apply
+    # (Decided.forgiven; Redis: XCLAIM RETRYCOUNT), so forgiveness survives a restart. The base
+    # then counts the broker's number as it is and remembers the forgiven ones only for the ceiling.
+    forgiveness_is_durable: ClassVar[bool] = False
 
     def __init__(self, settings: SettingsT, *, stream_key: Hashable) -> None:
         self.settings = settings
@@ -742,7 +749,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
                 # so it goes back without counting a delivery attempt, like one nobody saw.
                 decided.append(Decided(delivery, UNRECORDED_DECISION))
                 continue
-            decided.append(Decided(delivery, self._decide(delivery, message_outcome(outcome, message), max_attempts)))
+            decided.append(self._decide(delivery, message_outcome(outcome, message), max_attempts))
         try:
             applied = await self._apply(decided)
         finally:
@@ -761,47 +768,53 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             self._count(batch, applied if applied is not None else decided)
         self._defer_release(batch, decided, held_bytes)
 
-    def _decide(self, delivery: DeliveryT, outcome: AdvanceOutcome, max_attempts: int | None) -> Decision:
+    def _decide(self, delivery: DeliveryT, outcome: AdvanceOutcome, max_attempts: int | None) -> Decided[DeliveryT]:
         """
-        :func:`decide` for a message that is not simply committed, with the broker's delivery count
-        less the collateral failures forgiven so far (``_core/attempts.py``). A failure is
-        collateral when the manager failed the message only because it failed a watcher that
-        stood on another one: no watcher failed on it (``culprit``), none stood on it
+        :func:`decide` for a message that is not simply committed, on its *counted* attempts: the
+        broker's delivery count less the collateral failures forgiven so far (``_core/attempts.py``).
+        A failure is collateral when the manager failed the message only because it failed a
+        watcher that stood on another one: no watcher failed on it (``culprit``), none stood on it
         (``suspect``), none rejected it.
         """
         message = delivery.message
         forgiven = self._forgiven
         if forgiven is None:
-            return decide(
+            decision = decide(
                 outcome,
                 delivery_attempt=delivery.delivery_attempt,
                 max_delivery_attempts=max_attempts,
                 rejections=message.rejections,
             )
+            return Decided(delivery, decision)
         key = self.attempt_key(delivery)
-        counted = delivery.delivery_attempt - forgiven.get(key)
-        collateral = outcome.failed and not outcome.rejected and not message.culprit and not message.suspect
-        if collateral:
-            counted -= 1  # this delivery is not the message's failure either
+        earlier = forgiven.get(key)
+        # Durable: the broker's count was set back for the earlier ones already.
+        counted = delivery.delivery_attempt - (0 if self.forgiveness_is_durable else earlier)
+        delivered = delivery.delivery_attempt + (earlier if self.forgiveness_is_durable else 0)
+        collateral = bool(outcome.failed) and not outcome.rejected and not message.culprit and not message.suspect
         decision = decide(
             outcome,
-            delivery_attempt=counted,
+            delivery_attempt=counted - 1 if collateral else counted,  # this delivery is not its failure either
             max_delivery_attempts=max_attempts,
             rejections=message.rejections,
         )
         if decision.disposition is Disposition.REDELIVER and collateral:
-            if max_attempts is not None and delivery.delivery_attempt >= max_attempts * COLLATERAL_CEILING:
+            if max_attempts is not None and delivered >= max_attempts * COLLATERAL_CEILING:
                 forgiven.forget(key)
-                return Decision(
-                    Disposition.DEAD_LETTER,
-                    f"poison message: delivered {delivery.delivery_attempt} times, each failed beside another "
-                    f"message's failure (ack timeouts or overflows; the ceiling is {COLLATERAL_CEILING} x "
-                    f"max_delivery_attempts={max_attempts})",
+                return Decided(
+                    delivery,
+                    Decision(
+                        Disposition.DEAD_LETTER,
+                        f"poison message: delivered {delivered} times, each failed beside another message's "
+                        f"failure (ack timeouts or overflows; the ceiling is {COLLATERAL_CEILING} x "
+                        f"max_delivery_attempts={max_attempts})",
+                    ),
                 )
             forgiven.increment(key)
-        elif decision.disposition in (Disposition.COMMIT, Disposition.DEAD_LETTER):
+            return Decided(delivery, decision, forgiven=True)
+        if decision.disposition in (Disposition.COMMIT, Disposition.DEAD_LETTER):
             forgiven.forget(key)
-        return decision
+        return Decided(delivery, decision)
 
     def _defer_release(
         self, batch: Sequence[AdvanceItem], decided: Sequence[Decided[DeliveryT]], held_bytes: int

@@ -27,8 +27,13 @@ rejected            ``XADD`` to ``dead_letter_stream`` (the entry's fields in or
                     (the entry stays in the stream until trimmed).
 failed (REDELIVER)  the entry's idle time is set to ``claim_idle`` (``XCLAIM ... IDLE``, its delivery
                     count kept): the next ``XAUTOCLAIM`` takes it at once, counting one more delivery.
+                    A collateral failure (queued behind the entry a force-failed watcher stood on,
+                    ``_core/attempts.py``) sets the count back by one as well (``RETRYCOUNT``): it
+                    does not count, even after a restart.
 poison              a failed entry whose times-delivered reached ``max_delivery_attempts`` is
-                    dead-lettered as above instead of given back again.
+                    dead-lettered as above instead of given back again; one failed only as
+                    collateral, once delivered ``4 x max_delivery_attempts`` times (counted by this
+                    producer since it started).
 zero-subscriber     idle time set to ``claim_idle - hold_backoff`` and the delivery count set back by
 (HOLD)              one (``RETRYCOUNT``): claimed again after ``hold_backoff``, not counted.
 lease lost          the lease of an entry is its idle time: while watchers work on it the lease
@@ -143,6 +148,9 @@ class RedisSharedStreamProducer(SharedStreamProducerBase[RedisStreamSettings, Re
 
     # Redis's largest value (proto-max-bulk-len): one field of an entry may be that large.
     max_message_bytes = 512 * 1024 * 1024
+    # A collateral failure's give-back sets the entry's times-delivered back (XCLAIM RETRYCOUNT),
+    # as a HOLD's does: the forgiveness survives a restart of the triggerer.
+    forgiveness_is_durable = True
     # A clean stop gives the entries still in flight back at once; tests that simulate a crash turn
     # this off (a killed triggerer gives nothing back).
     release_on_close: ClassVar[bool] = True
@@ -496,7 +504,8 @@ class RedisSharedStreamProducer(SharedStreamProducerBase[RedisStreamSettings, Re
             elif disposition is Disposition.DEAD_LETTER:
                 dead.append(entry)
             elif disposition is Disposition.REDELIVER:
-                give_back.append((delivery.entry_id, -1))
+                # A forgiven (collateral) failure sets the times-delivered back: durable forgiveness.
+                give_back.append((delivery.entry_id, delivery.delivery_attempt - 1 if entry.forgiven else -1))
             else:  # HOLD: claimed again after hold_backoff, the delivery count set back by one
                 hold.append((delivery.entry_id, delivery.delivery_attempt - 1))
         if dead:

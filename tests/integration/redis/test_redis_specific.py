@@ -135,6 +135,36 @@ async def test_poison_entry_is_dead_lettered_on_its_delivery_count(
     assert values[b"x-dead-letter-message-id"] == entry_id
 
 
+async def test_a_collateral_failure_sets_the_delivery_count_back_in_redis(
+    adapter: RedisAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """
+    An ack timeout fails the watcher and its 4 outstanding entries; only the one it stood on (the
+    last it pulled) counts. The other 3 get their times-delivered set back in Redis itself
+    (``RETRYCOUNT``), so a restarted triggerer would not count them either (_core/attempts.py).
+    """
+    monkeypatch.setenv("AIRFLOW__TRIGGERER__SHARED_STREAM_ACK_TIMEOUT", "1")
+    entry_ids = [entry_id.decode() for entry_id in await adapter.publish_ids(orders(4))]
+    async with RunnerSim(SharedStreamManager(ack_timeout=1.0)) as runner:  # nothing persisted
+        runner.add(1, adapter.make_trigger(max_delivery_attempts=2))
+        await wait_until(lambda: len(runner.pending) == 4, timeout=20, what="the watcher fired on every entry")
+        await wait_until(lambda: 1 in runner.failures, timeout=20, what="an ack timeout")
+
+        async def given_back() -> bool:
+            counts = {entry[0].decode(): entry[3] for entry in await adapter.pending()}
+            return counts == {**dict.fromkeys(entry_ids[:3], 0), entry_ids[3]: 1}
+
+        await wait_until_async(given_back, timeout=10, interval=0.05)
+        runner.pending.clear()
+        runner.add(2, adapter.make_trigger(max_delivery_attempts=2))
+        await wait_until(lambda: len(runner.pending) == 4, timeout=20, what="the second delivery")
+        attempts = {
+            event.event.payload["message_id"]: event.event.payload["delivery_attempt"] for event in runner.pending
+        }
+    # With max_delivery_attempts=2 the suspect is on its last attempt; the others start again.
+    assert attempts == {**dict.fromkeys(entry_ids[:3], 1), entry_ids[3]: 2}
+
+
 async def _times_delivered(adapter: RedisAdapter, count: int) -> bool:
     pending = await adapter.pending()
     return bool(pending) and pending[0][3] == count
