@@ -28,12 +28,16 @@ lines, the source of the table in docs/reliability.md ("Hostile input").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from airflow.triggers.shared_stream import SharedStreamManager
+
+from devkit.runner import RunnerSim
 from tests.integration.fuzz import (
     JSON_DEPTH_LIMIT,
     RAISE_ATTRIBUTE,
@@ -42,6 +46,7 @@ from tests.integration.fuzz import (
     FuzzMessage,
     FuzzSession,
     FuzzStream,
+    FuzzTarget,
     canonical,
     expected_decoding,
     filter_reason,
@@ -270,6 +275,29 @@ async def run_case(
     for stream, outcome in zip(session.streams, outcomes, strict=True):
         summary = "; ".join(sorted(set(outcome.delivered)) + sorted(set(outcome.dead)))
         print(f"HOSTILE {broker}/{stream.target.name} {case.name}: {summary} ({elapsed:.1f} s)")
+
+
+@contextlib.asynccontextmanager
+async def hostile_session(targets: Sequence[FuzzTarget]) -> AsyncIterator[FuzzSession]:
+    """
+    The corpus' session on a broker's fuzz targets: the real manager (a 60 s ack timeout: a case
+    that fans out slowly is not a stuck one), a runner persisting every 50 ms, the default cap.
+    """
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
+        yield FuzzSession.start(runner, list(targets), max_payload_bytes=HOSTILE_PAYLOAD_BYTES)
+
+
+async def run_corpus_on(
+    targets: Sequence[FuzzTarget],
+    cases: Sequence[HostileCase],
+    make: MakeMessage,
+    reasons_of: Callable[[DeadRecord], list[str]],
+    *,
+    broker: str,
+) -> None:
+    """A broker's whole hostile test: :func:`run_corpus` in a :func:`hostile_session` on ``targets``."""
+    async with hostile_session(targets) as session:
+        await run_corpus(session, cases, make, reasons_of, broker=broker)
 
 
 async def run_corpus(

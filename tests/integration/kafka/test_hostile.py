@@ -12,22 +12,19 @@ tests/integration/kafka/raw_records.py), and forged ``x-dead-letter-*`` headers.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
 import pytest
-from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_shared_stream_provider._core.envelope import text_value
-from devkit.runner import RunnerSim
-from tests.integration.fuzz import DeadRecord, FuzzMessage, FuzzSession
+from tests.integration.fuzz import DeadRecord, FuzzMessage
 from tests.integration.hostile import (
     DEAD_LETTER_PREFIX,
-    HOSTILE_PAYLOAD_BYTES,
     HostileCase,
     forged_attributes,
     neutral_cases,
-    run_corpus,
+    run_corpus_on,
 )
 from tests.integration.kafka.raw_records import RawRecord, publish_raw_records
 from tests.integration.kafka.test_fuzz import KafkaFuzzTarget, fuzz_targets
@@ -125,13 +122,7 @@ def reasons_of(record: DeadRecord) -> list[str]:
     ]
 
 
-@pytest.fixture
-async def hostile_session(fuzz_targets: list[KafkaFuzzTarget]) -> AsyncIterator[FuzzSession]:
-    targets = [KafkaHostileTarget.of(target) for target in fuzz_targets]
-    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-        yield FuzzSession.start(runner, targets, max_payload_bytes=HOSTILE_PAYLOAD_BYTES)
-
-
 @pytest.mark.timeout(300)
-async def test_hostile_corpus_is_delivered_or_dead_lettered(hostile_session: FuzzSession) -> None:
-    await run_corpus(hostile_session, kafka_cases(), make, reasons_of, broker="kafka")
+async def test_hostile_corpus_is_delivered_or_dead_lettered(fuzz_targets: list[KafkaFuzzTarget]) -> None:
+    targets = [KafkaHostileTarget.of(target) for target in fuzz_targets]
+    await run_corpus_on(targets, kafka_cases(), make, reasons_of, broker="kafka")

@@ -17,17 +17,14 @@ from typing import Any, Final
 
 import grpc
 import pytest
-from airflow.triggers.shared_stream import SharedStreamManager
 
-from devkit.runner import RunnerSim
-from tests.integration.fuzz import DeadRecord, FuzzMessage, FuzzSession
+from tests.integration.fuzz import DeadRecord, FuzzMessage
 from tests.integration.hostile import (
     DEAD_LETTER_PREFIX,
-    HOSTILE_PAYLOAD_BYTES,
     HostileCase,
     forged_attributes,
     neutral_cases,
-    run_corpus,
+    run_corpus_on,
 )
 from tests.integration.pubsub.test_fuzz import MAX_ATTRIBUTES, PubSubFuzzTarget, fuzz_targets
 
@@ -106,12 +103,6 @@ async def pubsub_clients(pubsub_emulator: str) -> AsyncIterator[tuple[Any, Any]]
         await asyncio.sleep(0)
 
 
-@pytest.fixture
-async def hostile_session(fuzz_targets: list[PubSubFuzzTarget]) -> AsyncIterator[FuzzSession]:
-    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-        yield FuzzSession.start(runner, fuzz_targets, max_payload_bytes=HOSTILE_PAYLOAD_BYTES)
-
-
 @pytest.mark.timeout(300)
-async def test_hostile_corpus_is_delivered_or_dead_lettered(hostile_session: FuzzSession) -> None:
-    await run_corpus(hostile_session, pubsub_cases(), make, reasons_of, broker="pubsub")
+async def test_hostile_corpus_is_delivered_or_dead_lettered(fuzz_targets: list[PubSubFuzzTarget]) -> None:
+    await run_corpus_on(fuzz_targets, pubsub_cases(), make, reasons_of, broker="pubsub")

@@ -12,21 +12,17 @@ id of the stream is above it).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import pytest
-from airflow.triggers.shared_stream import SharedStreamManager
 
-from devkit.runner import RunnerSim
-from tests.integration.fuzz import DeadRecord, FuzzMessage, FuzzSession
+from tests.integration.fuzz import DeadRecord, FuzzMessage
 from tests.integration.hostile import (
     DEAD_LETTER_PREFIX,
-    HOSTILE_PAYLOAD_BYTES,
     HostileCase,
     forged_attributes,
     neutral_cases,
-    run_corpus,
+    run_corpus_on,
 )
 from tests.integration.redis.test_fuzz import RedisFuzzTarget, fuzz_targets
 
@@ -104,12 +100,6 @@ def reasons_of(record: DeadRecord) -> list[str]:
     ]
 
 
-@pytest.fixture
-async def hostile_session(fuzz_targets: list[RedisFuzzTarget]) -> AsyncIterator[FuzzSession]:
-    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-        yield FuzzSession.start(runner, fuzz_targets, max_payload_bytes=HOSTILE_PAYLOAD_BYTES)
-
-
 @pytest.mark.timeout(240)
-async def test_hostile_corpus_is_delivered_or_dead_lettered(hostile_session: FuzzSession) -> None:
-    await run_corpus(hostile_session, redis_cases(), make, reasons_of, broker="redis")
+async def test_hostile_corpus_is_delivered_or_dead_lettered(fuzz_targets: list[RedisFuzzTarget]) -> None:
+    await run_corpus_on(fuzz_targets, redis_cases(), make, reasons_of, broker="redis")

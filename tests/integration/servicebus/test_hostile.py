@@ -15,20 +15,17 @@ the dead-letter queue sees them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 import pytest
-from airflow.triggers.shared_stream import SharedStreamManager
 
-from devkit.runner import RunnerSim
-from tests.integration.fuzz import DeadRecord, FuzzMessage, FuzzSession
+from tests.integration.fuzz import DeadRecord, FuzzMessage
 from tests.integration.hostile import (
-    HOSTILE_PAYLOAD_BYTES,
     HostileCase,
     forged_attributes,
     neutral_cases,
-    run_corpus,
+    run_corpus_on,
 )
 from tests.integration.servicebus.conftest import body_of
 from tests.integration.servicebus.test_fuzz import REJECTED_REASON, ServiceBusFuzzTarget, fuzz_targets
@@ -114,17 +111,11 @@ def reasons_of(record: DeadRecord) -> list[str]:
     return [description] if reason == REJECTED_REASON else [f"{reason}", description]
 
 
-@pytest.fixture
-async def hostile_session(fuzz_targets: list[ServiceBusFuzzTarget]) -> AsyncIterator[FuzzSession]:
+@pytest.mark.timeout(300)
+async def test_hostile_corpus_is_delivered_or_dead_lettered(fuzz_targets: list[ServiceBusFuzzTarget]) -> None:
     targets = [ServiceBusHostileTarget.of(target) for target in fuzz_targets]
     try:
-        async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-            yield FuzzSession.start(runner, targets, max_payload_bytes=HOSTILE_PAYLOAD_BYTES)
+        await run_corpus_on(targets, servicebus_cases(), make, reasons_of, broker="servicebus")
     finally:
         for target in targets:
             await target.close()
-
-
-@pytest.mark.timeout(300)
-async def test_hostile_corpus_is_delivered_or_dead_lettered(hostile_session: FuzzSession) -> None:
-    await run_corpus(hostile_session, servicebus_cases(), make, reasons_of, broker="servicebus")
