@@ -13,6 +13,9 @@ event; the supervisor persists queued events and confirms their seqs on the next
   or manual through :meth:`RunnerSim.persist` (unit tests: no timing involved);
 * ``crash()`` to drop every unconfirmed event, as a triggerer killed before persisting would;
 * ``withhold`` to never persist one watcher's events (its persist confirmations never arrive).
+
+:class:`FakeClock` is the manager's clock for tests that decide when ack timeouts fall
+(``SharedStreamManager(ack_timeout=..., _now=clock)``, then ``clock.now += ...``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,16 @@ from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow.triggers.shared_stream import SharedStreamManager
 
 ProducerT = TypeVar("ProducerT")
+
+
+class FakeClock:
+    """A clock that moves only when the test moves it (``clock.now += seconds``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _executor_noop() -> None:

@@ -23,17 +23,9 @@ from airflow_shared_stream_provider._core.envelope import StreamMessage
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.producer import Delivery
 from devkit.memory import MemoryBroker, MemorySharedStreamTrigger, brokers, memory_broker
-from devkit.runner import RunnerSim, wait_until
+from devkit.runner import FakeClock, RunnerSim, wait_until
 
 _names = itertools.count()
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -20,19 +20,11 @@ from airflow.triggers.shared_stream import AckTimeout, AdvanceItem, AdvanceOutco
 
 from airflow_shared_stream_provider._core.attempts import COLLATERAL_CEILING
 from devkit.memory import MemoryBroker, MemorySharedStreamTrigger, brokers, memory_broker
-from devkit.runner import RunnerSim, wait_until
+from devkit.runner import FakeClock, RunnerSim, wait_until
 
 _names = itertools.count()
 MAX_ATTEMPTS = 2
 MESSAGES = 6
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -10,20 +10,12 @@ from aiokafka import AIOKafkaConsumer
 from airflow.triggers.shared_stream import AckTimeout, SharedStreamManager
 
 from airflow_shared_stream_provider._core.errors import PartialAssignmentError, SharedStreamConfigError
-from devkit.runner import RunnerSim, wait_until
+from devkit.runner import FakeClock, RunnerSim, wait_until
 from tests.integration.contract import orders, wait_until_async
 
 from .conftest import KafkaAdapter
 
 pytestmark = [pytest.mark.integration, pytest.mark.kafka]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def fully_committed(adapter: KafkaAdapter) -> bool:
