@@ -95,7 +95,11 @@ def get_provider_info() -> dict[str, Any]:
                     "cohort_max_wait": {
                         "description": (
                             "Most seconds a new shared stream waits for the watchers of its cohort record (those of\n"
-                            "its last formation) before reading without the missing ones, which it then forgets.\n"
+                            "its last formation) before reading without the missing ones, which it then forgets. Also\n"
+                            "the most seconds a queue broker's stream (SQS, Pub/Sub, Redis, Service Bus) stops "
+                            "reading\n"
+                            "for a watcher the triggerer force-failed (ack timeout, full queue) until it is "
+                            "re-created.\n"
                         ),
                         "version_added": "0.1.0",
                         "type": "float",

@@ -65,6 +65,9 @@ class RunnerSim:
     on_persist: Callable[[int, TriggerEvent], None] | None = None
     # Trigger ids whose events are never persisted (a watcher stuck behind a broken DB write).
     withhold: set[int] = field(default_factory=set)
+    # Seconds after which a failed trigger is created again from its ``serialize()``, as the
+    # triggerer does with a failed asset watcher (None: it stays failed).
+    recreate_failed: float | None = None
     persisted: dict[int, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
     failures: dict[int, BaseException] = field(default_factory=dict)
     pending: list[_Pending] = field(default_factory=list)
@@ -106,6 +109,11 @@ class RunnerSim:
         finally:
             with contextlib.suppress(Exception):
                 await self.manager.unsubscribe(trigger_id, key)
+        if self.recreate_failed is not None and trigger_id in self.failures:
+            await asyncio.sleep(self.recreate_failed)
+            if self._tasks.get(trigger_id) is asyncio.current_task():  # not removed meanwhile
+                _, kwargs = trigger.serialize()
+                self.add(trigger_id, type(trigger)(**kwargs))
 
     async def remove(self, trigger_id: int) -> None:
         task = self._tasks.pop(trigger_id, None)

@@ -26,6 +26,16 @@ Once formed, the record is written to every member's asset state store, and grow
 when a watcher joins later: a graceful triggerer stop unsubscribes every watcher, and that must not
 make the next start forget them.
 
+**Returning members** (queue brokers: streams without watcher positions). A watcher the manager
+force-fails (``AckTimeout``, a full queue) is left out of every later broadcast until the triggerer
+re-creates its trigger, and on a queue broker the siblings' acks settle what it missed meanwhile:
+lost for it (measured: the 30-minute production run, docs/production.md). So a member that leaves
+by a failure is *away* (:meth:`Cohort.leave` with ``failed=True``): the stream reads nothing until
+it is back (:meth:`Cohort.hold_remaining`), at most ``cohort_max_wait`` seconds, and every message
+broadcast while it is away counts it in its audience (:meth:`Cohort.away_count`), so the producer
+gives such a message back instead of settling it (``SharedStreamProducerBase.advance``). A member
+that leaves by cancellation (its Dag paused or deleted, the triggerer stopping) is not waited for.
+
 Both settings are operator settings (``[shared_stream_provider] cohort_settle`` and
 ``cohort_max_wait`` in airflow.cfg, or ``AIRFLOW__SHARED_STREAM_PROVIDER__COHORT_SETTLE``), not
 per-Dag ones: they describe the triggerer deployment.
@@ -126,6 +136,16 @@ class Cohort:
     last_join: float = 0.0
     formed: bool = False
     recorded: Counter[str] = field(default_factory=Counter)
+    # Returning members (module docstring): identities force-failed out of the formed stream and
+    # not back yet, how many in all, and until when the stream waits for them.
+    away: Counter[str] = field(default_factory=Counter)
+    away_total: int = 0
+    away_until: float = 0.0
+    away_since: float = 0.0
+    max_wait: float = DEFAULT_COHORT_MAX_WAIT
+    stream: str = "?"
+    # Called on every join and leave (the flow gate wakes a producer waiting for credit).
+    on_change: Callable[[], None] | None = None
     _changed: asyncio.Event | None = None
     _writer: asyncio.Task[None] | None = None
 
@@ -135,17 +155,73 @@ class Cohort:
         member = _Member(identity, stores)
         self.members[token] = member
         self.last_join = self.clock()
+        if self.away.get(identity):
+            self._returned(identity)
         if stores:
             member.lookup = asyncio.ensure_future(self._read_record(member, key))
         self._signal()
         if self.formed:
             self.schedule_write(key)
 
-    def leave(self, token: int) -> None:
+    def leave(self, token: int, *, failed: bool = False) -> None:
+        """
+        A watcher unsubscribed. ``failed``: the manager force-failed it (not cancelled) and its
+        stream keeps no watcher positions: it is away until it joins again (module docstring).
+        """
         member = self.members.pop(token, None)
         if member is not None and member.lookup is not None and not member.lookup.done():
             member.lookup.cancel()
+        if failed and member is not None and self.formed:
+            now = self.clock()
+            if not self.away_total:
+                self.away_since = now
+            self.away[member.identity] += 1
+            self.away_total += 1
+            self.away_until = now + self.max_wait
+            log.warning(
+                "Shared stream %s reads nothing until watcher %s is back: the triggerer force-failed it, "
+                "and what the other watchers settle meanwhile it would never see. Waiting at most %.0f s "
+                "(cohort_max_wait).",
+                self.stream,
+                member.identity,
+                self.max_wait,
+            )
         self._signal()
+
+    def _returned(self, identity: str) -> None:
+        self.away[identity] -= 1
+        if self.away[identity] <= 0:
+            del self.away[identity]
+        self.away_total -= 1
+        if not self.away_total:
+            log.info(
+                "Shared stream %s reads again: watcher %s is back after %.1f s",
+                self.stream,
+                identity,
+                self.clock() - self.away_since,
+            )
+
+    def hold_remaining(self) -> float:
+        """Seconds the stream still waits for away members (0: it reads); forgets them at the bound."""
+        if not self.away_total:
+            return 0.0
+        remaining = self.away_until - self.clock()
+        if remaining > 0:
+            return remaining
+        log.warning(
+            "Shared stream %s reads again without watcher(s) %s after %.0f s: not back within "
+            "cohort_max_wait. Messages read from now on are settled without them until they join.",
+            self.stream,
+            sorted(self.away.elements())[:20],
+            self.clock() - self.away_since,
+        )
+        self.away.clear()
+        self.away_total = 0
+        return 0.0
+
+    def away_count(self) -> int:
+        """Away members a message broadcast now misses (counted in its audience)."""
+        return self.away_total if self.away_total and self.hold_remaining() > 0 else 0
 
     async def _read_record(self, member: _Member, key: str) -> None:
         _, store = member.stores[0]
@@ -178,6 +254,7 @@ class Cohort:
     async def wait_ready(self, *, settle: float, max_wait: float, stream: str) -> None:
         """Wait until the cohort is complete (see the module docstring), at most ``max_wait`` seconds."""
         started = self.clock()
+        self.max_wait, self.stream = max_wait, stream
         self.last_join = max(self.last_join, started) if not self.members else self.last_join
         while not self.ready(settle):
             elapsed = self.clock() - started
@@ -239,6 +316,8 @@ class Cohort:
     def _signal(self) -> None:
         if self._changed is not None:
             self._changed.set()
+        if self.on_change is not None:
+            self.on_change()
 
     async def _wait_change(self, timeout: float) -> None:
         if self._changed is None:

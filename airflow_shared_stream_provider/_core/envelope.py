@@ -93,11 +93,12 @@ class StreamMessage:
     purpose, and ``None`` until the first entry: almost every message has neither, and two lists
     per message would be two more objects for the cyclic GC to walk while the message is in flight.
 
-    Only the producer writes ``envelope``, ``seq``, ``forced_rejection`` and ``skip_for`` (before the yield);
-    watchers only call :meth:`reject` / :meth:`fail`.
+    Only the producer writes ``envelope``, ``seq``, ``forced_rejection``, ``skip_for`` and
+    ``audience`` (before the yield); watchers only call :meth:`reject` / :meth:`fail`.
     """
 
     __slots__ = (
+        "audience",
         "culprit",
         "envelope",
         "failures",
@@ -126,6 +127,9 @@ class StreamMessage:
         self.suspect = False
         # What the producer counted against max_in_flight_bytes for it (_core/flow.py, byte budget).
         self.held_bytes = 0
+        # How many watchers must have it before it is settled (queue brokers, set at its broadcast:
+        # FlowGate.audience); 0: not checked (a broker whose returning watchers replay, Kafka).
+        self.audience = 0
 
     def reject(self, reason: str) -> None:
         if self.rejections is None:

@@ -72,11 +72,13 @@ watchers through :data:`gates` (the manager gives neither side a handle on the o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Hashable
 from typing import Final
 
 from airflow_shared_stream_provider._core.cohort import Cohort
 from airflow_shared_stream_provider._core.positions import WatcherPositions
+from airflow_shared_stream_provider._core.tasks import wait_for
 
 # Queued (not yet pulled) messages x watchers the gate allows; see the module docstring.
 BINDING_BUDGET: Final = 2_048
@@ -151,8 +153,10 @@ class FlowGate:
         # Events fired by all watchers of the stream: a plain counter bumped per event (cheap);
         # the producer reports its growth to Stats once per advance batch.
         self.fired = 0
-        # Which watchers the producer waits for before its first receive (see _core/cohort.py).
+        # Which watchers the producer waits for before its first receive, and for which returning
+        # ones it stops reading (see _core/cohort.py): their joins wake a producer waiting here.
         self.cohort = Cohort()
+        self.cohort.on_change = self._wake
         # Each watcher's stored position, for brokers that keep them (see _core/positions.py).
         self.positions = WatcherPositions()
 
@@ -281,10 +285,21 @@ class FlowGate:
             return self._max_in_flight
         return ramp
 
+    @property
+    def audience(self) -> int:
+        """
+        How many watchers a message broadcast now must reach before it may be settled: those
+        registered, plus those force-failed out of the stream and not back yet (_core/cohort.py).
+        """
+        away = self.cohort.away_total
+        return len(self._consumed) + (self.cohort.away_count() if away else 0)
+
     def credit(self) -> int:
-        """How many messages may be yielded now without waiting (0 when blocked or frozen)."""
+        """How many messages may be yielded now without waiting (0 when blocked, frozen or holding)."""
         if self.frozen:
             return 0
+        if self.cohort.away_total and self.cohort.hold_remaining() > 0:
+            return 0  # a watcher the triggerer force-failed is not back yet (_core/cohort.py)
         window = self._window
         by_lag = window - (self._produced - self._floor)
         if by_lag <= 0:
@@ -309,8 +324,14 @@ class FlowGate:
             self._wakeup.clear()
             self._resume_seq = self._produced - self._window // 2
             self._blocked = True
+            # Holding for an away watcher: also wake when the stream stops waiting for it.
+            holding = self.cohort.hold_remaining() if self.cohort.away_total else 0.0
             try:
-                await self._wakeup.wait()
+                if holding > 0:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await wait_for(self._wakeup.wait(), holding)
+                else:
+                    await self._wakeup.wait()
             finally:
                 self._blocked = False
 

@@ -186,6 +186,20 @@ def message_outcome(outcome: AdvanceOutcome, message: StreamMessage) -> AdvanceO
     )
 
 
+def with_missed_watchers(outcome: AdvanceOutcome, message: StreamMessage) -> AdvanceOutcome:
+    """
+    The outcome with the watchers of the message's audience the manager did not broadcast it to
+    (force-failed before its broadcast, or away) counted as failed: none of them has the message,
+    so it goes back to the broker. Their failure is collateral (no ``culprit``, no ``suspect``:
+    the message did nothing), so it does not count toward the message's poison cap.
+    """
+    reached = outcome.acked + outcome.failed + outcome.rejected
+    missed = message.audience - reached
+    if missed <= 0 or not reached:
+        return outcome  # all reached; or none: held back already, like a broadcast nobody saw (decide)
+    return AdvanceOutcome(acked=outcome.acked, failed=outcome.failed + missed, rejected=outcome.rejected)
+
+
 def expand_batches(batch: Sequence[AdvanceItem]) -> list[AdvanceItem]:
     """Per-message items of an advance batch (batch mode): each message gets its raw event's outcome."""
     items: list[AdvanceItem] = []
@@ -238,6 +252,12 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
     # (Decided.forgiven; Redis: XCLAIM RETRYCOUNT), so forgiveness survives a restart. The base
     # then counts the broker's number as it is and remembers the forgiven ones only for the ceiling.
     forgiveness_is_durable: ClassVar[bool] = False
+    # A message is settled only once every watcher of its audience has it (StreamMessage.audience:
+    # the watchers registered at its broadcast, plus those force-failed out and not back yet); a
+    # message the manager broadcast without one of them is given back (_core/cohort.py, returning
+    # members). False for a broker whose returning watcher replays what it missed from its stored
+    # position (Kafka, _core/positions.py).
+    gives_back_missed_messages: ClassVar[bool] = True
 
     def __init__(self, settings: SettingsT, *, stream_key: Hashable) -> None:
         self.settings = settings
@@ -672,7 +692,10 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             nbytes += 2 * sum(len(k) + len(v) for k, v in attributes.items())
         message.held_bytes = nbytes
         self._held_bytes += nbytes
-        (self._gate or self.gate).hold_bytes(nbytes)
+        gate = self._gate or self.gate
+        gate.hold_bytes(nbytes)
+        if self.gives_back_missed_messages and not self.batching:
+            message.audience = gate.audience  # broadcast right after this (batch mode: _on_batch)
         return message
 
     def take_seq(self) -> int:
@@ -706,7 +729,12 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         """A batch is broadcast now (called right before its yield): it takes one seq of the gate."""
         self._unbatched -= len(batch)
         self._batches_in_flight += 1
-        batch.seq = self.gate.next_seq()
+        gate = self.gate
+        batch.seq = gate.next_seq()
+        if self.gives_back_missed_messages:
+            audience = gate.audience
+            for message in batch.messages:
+                message.audience = audience
         self.counters.add("batches")
 
     def attempt_key(self, delivery: DeliveryT) -> Hashable:
@@ -732,10 +760,12 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             message = delivery.message
             held_bytes += message.held_bytes
             outcome = item.outcome
-            # Fast path, almost every message: every watcher acked it and none recorded a failure.
-            # Same result as decide() (tests/unit/test_dispositions.py), without its calls per message.
+            # Fast path, almost every message: every watcher of its audience acked it and none
+            # recorded a failure. Same result as decide() (tests/unit/test_dispositions.py),
+            # without its calls per message.
             if (
-                outcome.acked
+                outcome.acked >= message.audience
+                and outcome.acked
                 and not outcome.failed
                 and not outcome.rejected
                 and message.failures is None
@@ -744,6 +774,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
                 decided.append(Decided(delivery, COMMIT_DECISION))
                 clean += 1
                 continue
+            outcome = with_missed_watchers(outcome, message)
             if not outcome.failed and not outcome.rejected and not message.rejections and unrecorded_only(message):
                 # Its events were never recorded (a triggerer stopping): nothing judged the message,
                 # so it goes back without counting a delivery attempt, like one nobody saw.

@@ -256,6 +256,7 @@ class SharedStreamTrigger(BaseEventTrigger):
         member = gate.positions.join(identity, position_key(scope, identity), stores) if scope is not None else -1
         # What this watcher stands on: the suspect if the manager force-fails it (the except below).
         standing_on: StreamMessage | MessageBatch | None = None
+        force_failed = False
         try:
             # Inside the try: registration above must stay before the first await (see flow.py),
             # and the finally must undo it when the filter cannot be imported.
@@ -322,6 +323,9 @@ class SharedStreamTrigger(BaseEventTrigger):
             if standing_on is not None:
                 for message in standing_on.messages if isinstance(standing_on, MessageBatch) else (standing_on,):
                     message.suspect = True
+            # The triggerer re-creates this watcher; until then the stream must not settle what it
+            # misses: on a stream without watcher positions it waits for it (_core/cohort.py).
+            force_failed = scope is None
             raise
         finally:
             if self._threaded is not None:
@@ -329,7 +333,7 @@ class SharedStreamTrigger(BaseEventTrigger):
                 self._threaded = None
             if member != -1:
                 gate.positions.leave(member)
-            gate.cohort.leave(token)
+            gate.cohort.leave(token, failed=force_failed)
             gate.unregister(token)
             gates.release(key, gate)
 

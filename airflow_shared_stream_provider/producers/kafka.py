@@ -265,6 +265,8 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
     # Kafka counts attempts itself (kafka_lanes, kept in the committed offset's metadata): with
     # watcher positions only the culprit, the suspect or the lowest failed offset counts (_apply).
     forgives_collateral_failures = False
+    # A returning watcher replays what it missed from its stored position (_core/positions.py).
+    gives_back_missed_messages = False
 
     def __init__(self, settings: KafkaStreamSettings, *, stream_key: Hashable) -> None:
         super().__init__(settings, stream_key=stream_key)

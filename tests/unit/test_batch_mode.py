@@ -184,7 +184,9 @@ async def test_a_crash_before_persistence_commits_nothing_and_the_batch_comes_ba
         runner.failures.clear()
         runner.add(1, trigger(broker))  # the triggerer re-creates the watcher
         await persist_until(runner, lambda: len(broker.committed) == 5, what="redelivered and committed")
-    assert delivered(runner, 1) == ids
+    # Each once; not necessarily in order: a message the stopping producer had received ahead is
+    # abandoned on its close and comes back behind the others.
+    assert sorted(delivered(runner, 1)) == ids
     assert min(envelope["delivery_attempt"] for envelope in runner.persisted[1][0]["messages"]) >= 2
 
 

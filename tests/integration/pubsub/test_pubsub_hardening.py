@@ -87,7 +87,8 @@ async def test_ordering_key_barriers_do_not_grow_with_the_number_of_keys(
     keys = 60
     for key in range(keys):
         await adapter.publish([json.dumps({"key": key}).encode()], ordering_key=f"k-{key}")
-    async with RunnerSim(SharedStreamManager(ack_timeout=1.0)) as runner:
+    # The triggerer re-creates the failed watcher (the stream waits for it: _core/cohort.py).
+    async with RunnerSim(SharedStreamManager(ack_timeout=1.0), recreate_failed=0.2) as runner:
 
         async def persist_only_watcher_1() -> None:
             while True:

@@ -108,7 +108,8 @@ async def test_fifo_fences_do_not_grow_with_the_number_of_groups(
     groups = 60
     for group in range(groups):
         await adapter.publish([json.dumps({"group": group}).encode()], group_id=f"g-{group}")
-    async with RunnerSim(SharedStreamManager(ack_timeout=1.0)) as runner:
+    # The triggerer re-creates the failed watcher (the stream waits for it: _core/cohort.py).
+    async with RunnerSim(SharedStreamManager(ack_timeout=1.0), recreate_failed=0.2) as runner:
 
         async def persist_only_watcher_1() -> None:
             while True:
