@@ -103,6 +103,7 @@ class StreamMessage:
         "envelope",
         "failures",
         "forced_rejection",
+        "generation",
         "held_bytes",
         "rejections",
         "seq",
@@ -130,6 +131,9 @@ class StreamMessage:
         # How many watchers must have it before it is settled (queue brokers, set at its broadcast:
         # FlowGate.audience); 0: not checked (a broker whose returning watchers replay, Kafka).
         self.audience = 0
+        # The gate's registrations generation at its broadcast (FlowGate.generation): a shortfall
+        # it shows is current only while no watcher registered or left since.
+        self.generation = 0
 
     def reject(self, reason: str) -> None:
         if self.rejections is None:

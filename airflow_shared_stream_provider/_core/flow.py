@@ -65,6 +65,18 @@ the broker's own maximum. Messages larger than the estimate overshoot by at most
 call brings. What an SDK buffers by count ahead of a receive (Service Bus ``prefetch_count``) is
 reserved at the estimate (:attr:`FlowGate.buffered_messages`), up to half the budget.
 
+A **shortfall** (queue brokers, _core/cohort.py "returning members"): the manager stops
+broadcasting to a watcher the moment it force-fails it, but the watcher leaves the gate only when
+it next pulls from its queue, which can be much later (a filter still running, in a thread). The
+producer sees it first, as a message whose outcome reached fewer watchers than its audience, and
+reports it (:meth:`FlowGate.shortfall`): no credit until the registered watchers change (the
+failed one leaves, and the cohort's hold for it takes over), at most ``cohort_max_wait`` seconds;
+after that the audience leaves the missing watchers out until the registered watchers change.
+Without this hold every message read meanwhile went round between the broker and the one healthy
+watcher until the failed one left (measured: 4 deliveries each in a 7 s stall,
+tests/e2e/test_returning_watcher_e2e.py), and a longer stall would have reached the collateral
+ceiling and dead-lettered valid messages.
+
 One :class:`FlowGate` exists per shared-stream key per process, shared by the producer and the
 watchers through :data:`gates` (the manager gives neither side a handle on the other).
 """
@@ -73,12 +85,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Hashable
 from typing import Final
 
 from airflow_shared_stream_provider._core.cohort import Cohort
 from airflow_shared_stream_provider._core.positions import WatcherPositions
 from airflow_shared_stream_provider._core.tasks import wait_for
+
+log = logging.getLogger(__name__)
 
 # Queued (not yet pulled) messages x watchers the gate allows; see the module docstring.
 BINDING_BUDGET: Final = 2_048
@@ -157,6 +172,14 @@ class FlowGate:
         # ones it stops reading (see _core/cohort.py): their joins wake a producer waiting here.
         self.cohort = Cohort()
         self.cohort.on_change = self._wake
+        # A shortfall (module docstring): the registrations' generation it was seen at (-1: none;
+        # every register / unregister starts a new one), until when it holds the credit, and how
+        # many watchers the audience leaves out after that.
+        self._generation = 0
+        self._short_at = -1
+        self._short_until = 0.0
+        self._short_missed = 0
+        self._discount = 0
         # Each watcher's stored position, for brokers that keep them (see _core/positions.py).
         self.positions = WatcherPositions()
 
@@ -292,7 +315,54 @@ class FlowGate:
         registered, plus those force-failed out of the stream and not back yet (_core/cohort.py).
         """
         away = self.cohort.away_total
-        return len(self._consumed) + (self.cohort.away_count() if away else 0)
+        return len(self._consumed) + (self.cohort.away_count() if away else 0) - self._discount
+
+    @property
+    def generation(self) -> int:
+        """Grows with every register and unregister: which watchers a message was broadcast to."""
+        return self._generation
+
+    def shortfall(self, missed: int, generation: int, stream: str) -> None:
+        """
+        A message broadcast at ``generation`` reached ``missed`` fewer watchers than its audience:
+        one the manager force-failed is still registered here. Hold the credit until the
+        registered watchers change, at most ``cohort_max_wait`` (see the module docstring).
+        """
+        if generation != self._generation:
+            return  # the watchers changed since its broadcast: a later message tells if it still holds
+        if self._short_at == self._generation or self._discount:
+            return  # known already (or given up on: the audience leaves it out now)
+        self._short_at = self._generation
+        self._short_missed = missed
+        self._short_until = self.cohort.clock() + self.cohort.max_wait
+        log.warning(
+            "Shared stream %s reads nothing until the watcher(s) the triggerer force-failed leave: "
+            "%d watcher(s) did not get a message; it goes back to the broker (at most %.0f s)",
+            stream,
+            missed,
+            self.cohort.max_wait,
+        )
+        self._wake()
+
+    def _shortfall_hold(self) -> float:
+        """Seconds the credit is still held for a shortfall (0: none, or over)."""
+        if self._short_at < 0:
+            return 0.0
+        if self._short_at != self._generation:
+            self._short_at = -1  # the registered watchers changed: over
+            return 0.0
+        remaining = self._short_until - self.cohort.clock()
+        if remaining > 0:
+            return remaining
+        log.warning(
+            "A shared stream reads again after %.0f s although %d force-failed watcher(s) never left: "
+            "messages are settled without them until the stream's watchers change",
+            self.cohort.max_wait,
+            self._short_missed,
+        )
+        self._short_at = -1
+        self._discount = self._short_missed
+        return 0.0
 
     def credit(self) -> int:
         """How many messages may be yielded now without waiting (0 when blocked, frozen or holding)."""
@@ -300,6 +370,8 @@ class FlowGate:
             return 0
         if self.cohort.away_total and self.cohort.hold_remaining() > 0:
             return 0  # a watcher the triggerer force-failed is not back yet (_core/cohort.py)
+        if self._short_at >= 0 and self._shortfall_hold() > 0:
+            return 0  # a watcher the triggerer force-failed has not left yet (module docstring)
         window = self._window
         by_lag = window - (self._produced - self._floor)
         if by_lag <= 0:
@@ -324,8 +396,11 @@ class FlowGate:
             self._wakeup.clear()
             self._resume_seq = self._produced - self._window // 2
             self._blocked = True
-            # Holding for an away watcher: also wake when the stream stops waiting for it.
-            holding = self.cohort.hold_remaining() if self.cohort.away_total else 0.0
+            # Holding for an away watcher or a shortfall: also wake when the hold ends.
+            holding = max(
+                self.cohort.hold_remaining() if self.cohort.away_total else 0.0,
+                self._shortfall_hold() if self._short_at >= 0 else 0.0,
+            )
             try:
                 if holding > 0:
                     with contextlib.suppress(asyncio.TimeoutError):
@@ -346,10 +421,15 @@ class FlowGate:
     def register(self, token: int) -> None:
         """A watcher joins: it will receive messages produced from now on."""
         self._consumed[token] = self._produced
+        self._generation += 1
+        self._discount = 0  # the watchers changed: a shortfall given up on is over
         self._rescale()
+        self._wake()
 
     def unregister(self, token: int) -> None:
         if self._consumed.pop(token, None) is not None:
+            self._generation += 1
+            self._discount = 0
             self._rescale()
             self._wake()
 

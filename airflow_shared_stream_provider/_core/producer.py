@@ -47,7 +47,11 @@ immediately before each yield, ``self.deferred.release_all()`` on an empty recei
 ``received`` counted.
 
 Everything else (batch mode, the outcome -> disposition mapping, the poison cap, the credit that
-keeps watcher queues from overflowing, counters and metrics) is here, once.
+keeps watcher queues from overflowing, counters and metrics) is here, once. That includes the
+returning-watchers rule of the queue brokers (``gives_back_missed_messages``, _core/cohort.py):
+while a watcher the manager force-failed is away the credit is 0 (nothing is received), and a
+message broadcast to fewer watchers than its ``audience`` is given back (REDELIVER, collateral:
+not counted toward its poison cap) instead of settled, so the returning watcher gets it too.
 """
 
 from __future__ import annotations
@@ -696,6 +700,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         gate.hold_bytes(nbytes)
         if self.gives_back_missed_messages and not self.batching:
             message.audience = gate.audience  # broadcast right after this (batch mode: _on_batch)
+            message.generation = gate.generation
         return message
 
     def take_seq(self) -> int:
@@ -732,9 +737,10 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         gate = self.gate
         batch.seq = gate.next_seq()
         if self.gives_back_missed_messages:
-            audience = gate.audience
+            audience, generation = gate.audience, gate.generation
             for message in batch.messages:
                 message.audience = audience
+                message.generation = generation
         self.counters.add("batches")
 
     def attempt_key(self, delivery: DeliveryT) -> Hashable:
@@ -774,7 +780,12 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
                 decided.append(Decided(delivery, COMMIT_DECISION))
                 clean += 1
                 continue
-            outcome = with_missed_watchers(outcome, message)
+            reached = outcome.acked + outcome.failed + outcome.rejected
+            if reached and reached < message.audience:
+                # Broadcast without a force-failed watcher still registered: hold the intake until
+                # it leaves (_core/flow.py, shortfall); the message goes back.
+                self.gate.shortfall(message.audience - reached, message.generation, self.source_label())
+                outcome = with_missed_watchers(outcome, message)
             if not outcome.failed and not outcome.rejected and not message.rejections and unrecorded_only(message):
                 # Its events were never recorded (a triggerer stopping): nothing judged the message,
                 # so it goes back without counting a delivery attempt, like one nobody saw.

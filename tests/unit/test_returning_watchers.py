@@ -18,12 +18,14 @@ import asyncio
 import itertools
 import json
 import logging
+import threading
 from typing import Any
 
 import pytest
 from airflow.triggers.shared_stream import AckTimeout, AdvanceItem, AdvanceOutcome, SharedStreamManager
 
 from airflow_shared_stream_provider._core.cohort import Cohort
+from airflow_shared_stream_provider._core.flow import FlowGate
 from devkit.memory import MemoryBroker, MemorySharedStreamProducer, MemorySharedStreamTrigger, brokers, memory_broker
 from devkit.runner import FakeClock, RunnerSim, wait_until
 
@@ -162,6 +164,12 @@ async def test_a_message_broadcast_without_a_watcher_of_its_audience_is_given_ba
         assert broker.actions == [(message_id, "redeliver")]
         # Not counted toward the poison cap: the message did nothing wrong (a collateral failure).
         assert producer._forgiven is not None and producer._forgiven.get(message_id) == 1
+        # The shortfall holds the intake until the registered watchers change (_core/flow.py) ...
+        assert producer.credit() == 0
+        # ... here: the force-failed watcher leaves and the triggerer re-creates it.
+        gate.unregister(102)
+        gate.register(102)
+        assert producer.credit() > 0
         _, again = await anext(stream)
         await producer.advance([AdvanceItem(again, AdvanceOutcome(acked=2, failed=0, rejected=0))])
         assert broker.actions[-1] == (message_id, "commit")
@@ -171,3 +179,71 @@ async def test_a_message_broadcast_without_a_watcher_of_its_audience_is_given_ba
         gate.unregister(102)
         await stream.aclose()
         await producer.aclose()
+
+
+# -- a force-failed watcher that has not left yet (a shortfall, _core/flow.py) ---------------------
+STUCK = threading.Event()
+
+
+def stuck_on_order_0(envelope: dict[str, Any]) -> bool:
+    """Blocks (in its filter thread) on order 0 until the test lets it go."""
+    if envelope["body"]["order_id"] == 0:
+        STUCK.wait(timeout=30)
+    return True
+
+
+def stuck_trigger(broker: MemoryBroker) -> MemorySharedStreamTrigger:
+    return MemorySharedStreamTrigger(
+        broker_name=broker.name, filter_function=f"{__name__}.stuck_on_order_0", filter_mode="thread"
+    )
+
+
+async def run_stuck_watcher(broker: MemoryBroker, *, settle: bool = True) -> tuple[list[str], RunnerSim, int]:
+    """
+    Watcher 2 is force-failed while its filter is stuck on order 0 (it stays registered: it has
+    not pulled the failure yet); orders 1-5 arrive meanwhile. Returns the ids, the runner and the
+    redeliveries counted while it was stuck. ``settle``: then wait until every order is committed.
+    """
+    STUCK.clear()
+    clock = FakeClock()
+    manager = SharedStreamManager(ack_timeout=0.1, _now=clock)
+    async with RunnerSim(manager, confirm_interval=0.01) as runner:
+        [first] = publish(broker, 0, 1)
+        runner.add(1, trigger(broker))
+        runner.add(2, stuck_trigger(broker))
+        await wait_until(lambda: runner.message_ids(1) == [first], timeout=10, what="watcher 1 fired on order 0")
+        clock.now += 1.0  # watcher 2 is past its ack timeout, stuck in its filter
+        later = publish(broker, 1, WHILE_AWAY)
+        await asyncio.sleep(0.5)  # the stream runs on with watcher 2 failed but still registered
+        redelivered_while_stuck = sum(1 for _, action in broker.actions if action != "commit")
+        STUCK.set()  # the filter returns; watcher 2 pulls its failure and leaves
+        if not settle:
+            return [first, *later], runner, redelivered_while_stuck
+        await wait_until(lambda: 2 in runner.failures, timeout=10, what="watcher 2 force-failed")
+        assert isinstance(runner.failures[2], AckTimeout)
+        runner.failures.clear()
+        runner.add(2, stuck_trigger(broker))  # the triggerer re-creates it (its filter passes now)
+        everything = [first, *later]
+        await wait_until(lambda: set(broker.committed) == set(everything), timeout=20, what="every message committed")
+    return everything, runner, redelivered_while_stuck
+
+
+async def test_a_force_failed_watcher_that_has_not_left_yet_stops_the_intake(broker: MemoryBroker) -> None:
+    everything, runner, redelivered_while_stuck = await run_stuck_watcher(broker)
+    print(f"given back while stuck, with the hold: {redelivered_while_stuck}")
+    # Order 0 (failed with watcher 2) and what was read in the persistence round before the
+    # producer saw the shortfall go back; then nothing is read until watcher 2 leaves.
+    assert redelivered_while_stuck <= 4 * (1 + WHILE_AWAY), broker.actions
+    assert set(runner.message_ids(2)) == set(everything)
+    assert broker.dead_letters == []
+
+
+async def test_negative_control_without_the_shortfall_hold_messages_go_round_while_it_is_stuck(
+    broker: MemoryBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FlowGate, "shortfall", lambda self, missed, generation, stream: None)
+    _, _, redelivered_while_stuck = await run_stuck_watcher(broker, settle=False)
+    print(f"given back while stuck, without the hold: {redelivered_while_stuck}; dead letters {broker.dead_letters}")
+    assert redelivered_while_stuck > 4 * (1 + WHILE_AWAY), "no storm without the hold: the test would not see one"
+    # What the storm costs: valid messages reach the collateral ceiling and are dead-lettered.
+    assert broker.dead_letters, "the storm dead-lettered nothing"
