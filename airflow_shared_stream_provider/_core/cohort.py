@@ -33,8 +33,10 @@ lost for it (measured: the 30-minute production run, docs/production.md). So a m
 by a failure is *away* (:meth:`Cohort.leave` with ``failed=True``): the stream reads nothing until
 it is back (:meth:`Cohort.hold_remaining`), at most ``cohort_max_wait`` seconds, and every message
 broadcast while it is away counts it in its audience (:meth:`Cohort.away_count`), so the producer
-gives such a message back instead of settling it (``SharedStreamProducerBase.advance``). A member
-that leaves by cancellation (its Dag paused or deleted, the triggerer stopping) is not waited for.
+gives such a message back instead of settling it (``SharedStreamProducerBase.advance``); the
+producer also stops reading as soon as it sees such a message, before the failed watcher has left
+(``FlowGate.shortfall``, _core/flow.py). A member that leaves by cancellation (its Dag paused or
+deleted, the triggerer stopping) is not waited for.
 
 Both settings are operator settings (``[shared_stream_provider] cohort_settle`` and
 ``cohort_max_wait`` in airflow.cfg, or ``AIRFLOW__SHARED_STREAM_PROVIDER__COHORT_SETTLE``), not
