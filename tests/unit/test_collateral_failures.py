@@ -77,12 +77,15 @@ async def test_ack_timeouts_in_a_row_dead_letter_only_the_message_the_watcher_st
 
         await wait_until(settled, timeout=10, what="every message committed or dead-lettered")
     dead = [message_id for message_id, _ in broker.dead_letters]
-    # The watcher stood on the last message it pulled in both rounds (the broker redelivers in
-    # order): that one failed MAX_ATTEMPTS times as the suspect. Before the fix all six were
-    # dead-lettered here, every one of them "failed 2 delivery attempt(s)".
-    assert dead == [published[-1]], broker.dead_letters
+    # One message is dead-lettered: the one the watcher stood on in the last round, its count
+    # reaching MAX_ATTEMPTS. Usually the last one of both rounds; not always: a message the
+    # stopping group read again and broadcast to nobody is held (not an attempt) and comes back
+    # last, and each round is a new group whose producer forgot the earlier forgiveness (kept in
+    # memory: the cap can come sooner, never later; seen on Python 3.13). Before the fix all six
+    # were dead-lettered here, every one of them "failed 2 delivery attempt(s)".
+    assert len(dead) == 1, broker.dead_letters
     assert f"failed {MAX_ATTEMPTS} delivery attempt(s)" in broker.dead_letters[0][1]
-    assert sorted(broker.committed) == sorted(published[:-1])
+    assert sorted(broker.committed) == sorted(set(published) - set(dead))
 
 
 async def test_a_message_failing_only_beside_others_is_dead_lettered_at_the_ceiling(broker: MemoryBroker) -> None:
