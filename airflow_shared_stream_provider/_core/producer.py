@@ -190,17 +190,13 @@ def message_outcome(outcome: AdvanceOutcome, message: StreamMessage) -> AdvanceO
     )
 
 
-def with_missed_watchers(outcome: AdvanceOutcome, message: StreamMessage) -> AdvanceOutcome:
+def with_missed_watchers(outcome: AdvanceOutcome, missed: int) -> AdvanceOutcome:
     """
-    The outcome with the watchers of the message's audience the manager did not broadcast it to
-    (force-failed before its broadcast, or away) counted as failed: none of them has the message,
-    so it goes back to the broker. Their failure is collateral (no ``culprit``, no ``suspect``:
-    the message did nothing), so it does not count toward the message's poison cap.
+    The outcome with the ``missed`` watchers of the message's audience the manager did not
+    broadcast it to (force-failed before its broadcast, or away) counted as failed: none of them
+    has the message, so it goes back to the broker. Their failure is collateral (no ``culprit``,
+    no ``suspect``: the message did nothing), so it does not count toward its poison cap.
     """
-    reached = outcome.acked + outcome.failed + outcome.rejected
-    missed = message.audience - reached
-    if missed <= 0 or not reached:
-        return outcome  # all reached; or none: held back already, like a broadcast nobody saw (decide)
     return AdvanceOutcome(acked=outcome.acked, failed=outcome.failed + missed, rejected=outcome.rejected)
 
 
@@ -781,11 +777,13 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
                 clean += 1
                 continue
             reached = outcome.acked + outcome.failed + outcome.rejected
+            # Reached none: held back already, like a broadcast nobody saw (decide). Reached fewer
+            # than its audience: broadcast without a force-failed watcher still registered: hold
+            # the intake until it leaves (_core/flow.py, shortfall); the message goes back.
             if reached and reached < message.audience:
-                # Broadcast without a force-failed watcher still registered: hold the intake until
-                # it leaves (_core/flow.py, shortfall); the message goes back.
-                self.gate.shortfall(message.audience - reached, message.generation, self.source_label())
-                outcome = with_missed_watchers(outcome, message)
+                missed = message.audience - reached
+                self.gate.shortfall(missed, message.generation, self.source_label())
+                outcome = with_missed_watchers(outcome, missed)
             if not outcome.failed and not outcome.rejected and not message.rejections and unrecorded_only(message):
                 # Its events were never recorded (a triggerer stopping): nothing judged the message,
                 # so it goes back without counting a delivery attempt, like one nobody saw.
