@@ -386,6 +386,15 @@ class SqsOrders:
         self.queue_url = str(self.client.create_queue(QueueName=SQS_QUEUE)["QueueUrl"])
         self.dlq_url = str(self.client.create_queue(QueueName=SQS_DLQ)["QueueUrl"])
 
+    def airflow_connection(self) -> dict[str, Any]:
+        """The Airflow ``aws`` connection that reaches this endpoint (moto takes any credentials)."""
+        return {
+            "conn_type": "aws",
+            "login": MOTO_KEY,
+            "password": MOTO_KEY,
+            "extra": {"endpoint_url": self.endpoint, "region_name": SQS_REGION},
+        }
+
     def publish(
         self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
     ) -> dict[str, OrderMessage]:
@@ -453,14 +462,7 @@ class SqsDemoStream(DemoStream[SqsOrders]):
             self._process = None
 
     def connections(self) -> dict[str, Any]:
-        return {
-            SQS_CONN_ID: {
-                "conn_type": "aws",
-                "login": MOTO_KEY,
-                "password": MOTO_KEY,
-                "extra": {"endpoint_url": self.orders.endpoint, "region_name": SQS_REGION},
-            }
-        }
+        return {SQS_CONN_ID: self.orders.airflow_connection()}
 
     def dag_env(self) -> dict[str, str]:
         return {

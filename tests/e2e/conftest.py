@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from devkit.airflow_env import AirflowEnv
-from devkit.brokers import BrokerProcess, start_kafka
+from devkit.brokers import BrokerProcess, start_kafka, start_moto, stop_moto
 from devkit.demo import (
     CONSUMER_DAGS,
     EXAMPLE_DAGS,
@@ -37,6 +37,7 @@ from devkit.demo import (
     build_dags_folder,
     kafka_connection,
 )
+from devkit.demo_streams import SqsOrders
 from devkit.postgres import FAST_SETTINGS, PostgresServer
 from devkit.stress import CpuStress, cpu_count, stress_from_env
 from tests.statsd_listener import StatsdListener
@@ -88,6 +89,16 @@ def kafka_bootstrap() -> Iterator[str]:
         yield broker.address
     finally:
         broker.stop()
+
+
+@pytest.fixture(scope="module")
+def sqs_orders() -> Iterator[SqsOrders]:
+    """A moto server of the module's own with the ``orders`` / ``orders-dlq`` queues."""
+    handle = start_moto()
+    try:
+        yield SqsOrders(handle.address)
+    finally:
+        stop_moto(handle)
 
 
 @pytest.fixture(scope="session")

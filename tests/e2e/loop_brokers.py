@@ -32,9 +32,7 @@ from airflow_shared_stream_provider.brokers import broker_spec, load
 from devkit.airflow_env import AirflowEnv
 from devkit.brokers import BrokerProcess, start_kafka, start_moto, start_pubsub_emulator, stop_moto
 from devkit.demo_streams import (
-    MOTO_KEY,
     PUBSUB_PROJECT,
-    SQS_REGION,
     KafkaOrders,
     PubSubOrders,
     SqsOrders,
@@ -153,12 +151,7 @@ class SqsLoop(LoopBroker):
         self.ids = _IdList()
 
     def connection(self) -> dict[str, Any]:
-        return {
-            "conn_type": "aws",
-            "login": MOTO_KEY,
-            "password": MOTO_KEY,
-            "extra": {"endpoint_url": self.orders.endpoint, "region_name": SQS_REGION},
-        }
+        return self.orders.airflow_connection()
 
     def trigger_kwargs(self) -> dict[str, Any]:
         return {"queue_url": self.source, "wait_time_seconds": 2}

@@ -3,7 +3,7 @@ Late siblings with Airflow's default ``[triggerer]`` settings, in a real trigger
 
 120 watchers share one SQS receive loop (moto). A triggerer takes at most 50 new triggers per loop,
 so after ``kill -9`` and restart the stream re-forms in three waves while a backlog waits in the
-queue. Before the producer's cohort wait (``_core/cohort.py``) the first wave received and deleted
+sqs_orders. Before the producer's cohort wait (``_core/cohort.py``) the first wave received and deleted
 the backlog before the other 70 watchers subscribed (measured on the real manager: 70 of 120
 watchers missed 64 of 300 orders). Every watcher must get every message.
 """
@@ -21,9 +21,8 @@ import pytest
 from order_events import envelopes_of
 
 from devkit.airflow_env import AirflowEnv
-from devkit.brokers import start_moto, stop_moto
 from devkit.demo import build_dags_folder, make_order
-from devkit.demo_streams import MOTO_KEY, SQS_REGION, SqsOrders
+from devkit.demo_streams import SqsOrders
 
 # ``starved_cpus``: STARVE_CPUS=N runs N CPU burners for the whole module (tests/e2e/conftest.py).
 pytestmark = [pytest.mark.e2e, pytest.mark.sqs, pytest.mark.timeout(900), pytest.mark.usefixtures("starved_cpus")]
@@ -37,23 +36,9 @@ AT = datetime(2026, 11, 25, tzinfo=timezone.utc)
 
 
 @pytest.fixture(scope="module")
-def queue() -> Iterator[SqsOrders]:
-    handle = start_moto()
-    try:
-        yield SqsOrders(handle.address)
-    finally:
-        stop_moto(handle)
-
-
-@pytest.fixture(scope="module")
-def many_airflow(queue: SqsOrders, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowEnv]:
+def many_airflow(sqs_orders: SqsOrders, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowEnv]:
     dags = build_dags_folder(tmp_path_factory.mktemp("many-dags"), files=(), extra=[E2E_DAGS / "e2e_many_watchers.py"])
-    connection = {
-        "conn_type": "aws",
-        "login": MOTO_KEY,
-        "password": MOTO_KEY,
-        "extra": {"endpoint_url": queue.endpoint, "region_name": SQS_REGION},
-    }
+    connection = sqs_orders.airflow_connection()
     # [triggerer] left at Airflow's defaults (no cohort grace period, 50 new triggers per loop).
     # Manual negative control (docs/reliability.md, "Late siblings"): LATE_SIBLINGS_COHORT_OFF=1
     # turns the producer's cohort wait off (settle and max wait 0); LATE_SIBLINGS_PER_LOOP=10 makes
@@ -63,7 +48,7 @@ def many_airflow(queue: SqsOrders, tmp_path_factory: pytest.TempPathFactory) -> 
     env = AirflowEnv(
         dags,
         connections={CONN_ID: json.dumps(connection)},
-        env={"MANY_SQS_QUEUE_URL": queue.queue_url, "MANY_AWS_CONN_ID": CONN_ID, "MANY_WATCHERS": str(COUNT)},
+        env={"MANY_SQS_QUEUE_URL": sqs_orders.queue_url, "MANY_AWS_CONN_ID": CONN_ID, "MANY_WATCHERS": str(COUNT)},
         triggerer={"max_trigger_to_select_per_loop": int(per_loop)} if per_loop else {},
         config={"shared_stream_provider": {"cohort_settle": 0, "cohort_max_wait": 0}} if cohort_off else {},
         home=tmp_path_factory.mktemp("many-airflow-home"),
@@ -87,8 +72,10 @@ def missing(message_ids: list[str], found: Counter[tuple[str, str]]) -> list[tup
     return [(w, m) for m in message_ids for w in WATCHERS if not found[w, m]]
 
 
-def test_a_backlog_received_after_kill9_reaches_all_120_watchers(many_airflow: AirflowEnv, queue: SqsOrders) -> None:
-    before = list(queue.publish([make_order(f"many-a{i}", "eu", 1.0, AT) for i in range(5)]))
+def test_a_backlog_received_after_kill9_reaches_all_120_watchers(
+    many_airflow: AirflowEnv, sqs_orders: SqsOrders
+) -> None:
+    before = list(sqs_orders.publish([make_order(f"many-a{i}", "eu", 1.0, AT) for i in range(5)]))
     many_airflow.wait_until(
         lambda: not missing(before, deliveries(many_airflow)),
         timeout=300,
@@ -98,12 +85,12 @@ def test_a_backlog_received_after_kill9_reaches_all_120_watchers(many_airflow: A
     # kill -9; the backlog waits in the queue while the watchers wait to be re-assigned (30 s
     # health check) and the new triggerer takes them 50 per loop.
     previous_job = many_airflow.restart_triggerer(kill=True)
-    backlog = list(queue.publish([make_order(f"many-b{i}", "us", 2.0, AT) for i in range(30)]))
+    backlog = list(sqs_orders.publish([make_order(f"many-b{i}", "us", 2.0, AT) for i in range(30)]))
     many_airflow.wait_for_watchers(WATCHERS, newer_than_job=previous_job, timeout=300)
 
     def complete() -> Counter[tuple[str, str]] | None:
         found = deliveries(many_airflow)
-        return found if not missing(backlog, found) and queue.backlog(queue.queue_url) == 0 else None
+        return found if not missing(backlog, found) and sqs_orders.backlog(sqs_orders.queue_url) == 0 else None
 
     try:
         found = many_airflow.wait_until(complete, timeout=300, what="the backlog at all 120 watchers", interval=3)

@@ -25,9 +25,7 @@ from pathlib import Path
 import pytest
 
 from devkit.airflow_env import AirflowEnv
-from devkit.brokers import start_moto, stop_moto
 from devkit.demo import EXAMPLE_DAGS, sample_orders
-from devkit.demo_streams import SQS_REGION as REGION
 from devkit.demo_streams import SqsOrders
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sqs, pytest.mark.timeout(600)]
@@ -119,15 +117,6 @@ DAG_FILE = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def sqs_orders() -> Iterator[SqsOrders]:
-    handle = start_moto()
-    try:
-        yield SqsOrders(handle.address)
-    finally:
-        stop_moto(handle)
-
-
-@pytest.fixture(scope="module")
 def stall_marker(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("stall") / "stalled"
 
@@ -140,12 +129,7 @@ def airflow(
     (dags / "e2e_returning_watcher.py").write_text(DAG_FILE)
     (dags / "stall_filter.py").write_text(STALL_FILTER)
     shutil.copy2(EXAMPLE_DAGS / "order_events.py", dags / "order_events.py")
-    connection = {
-        "conn_type": "aws",
-        "login": "testing",
-        "password": "testing",
-        "extra": {"endpoint_url": sqs_orders.endpoint, "region_name": REGION},
-    }
+    connection = sqs_orders.airflow_connection()
     env = AirflowEnv(
         dags,
         connections={CONN_ID: json.dumps(connection)},

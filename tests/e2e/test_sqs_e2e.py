@@ -21,9 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 from devkit.airflow_env import AirflowEnv
-from devkit.brokers import start_moto, stop_moto
 from devkit.demo import EXAMPLE_DAGS, OrderMessage, expected_watchers, sample_orders
-from devkit.demo_streams import SQS_REGION as REGION
 from devkit.demo_streams import SqsOrders
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sqs, pytest.mark.timeout(600)]
@@ -123,31 +121,12 @@ def missing_events(published: dict[str, OrderMessage], events: Counter[tuple[str
 
 # -- fixtures ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    handle = start_moto()
-    try:
-        yield handle.address
-    finally:
-        stop_moto(handle)
-
-
-@pytest.fixture(scope="module")
-def sqs_orders(moto_endpoint: str) -> SqsOrders:
-    return SqsOrders(moto_endpoint)
-
-
-@pytest.fixture(scope="module")
 def sqs_airflow(sqs_orders: SqsOrders, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AirflowEnv]:
     dags = tmp_path_factory.mktemp("sqs-dags")
     (dags / "e2e_sqs_orders.py").write_text(DAG_FILE)
     for helper in ("order_events.py", "order_filters.py"):
         shutil.copy2(EXAMPLE_DAGS / helper, dags / helper)
-    connection = {
-        "conn_type": "aws",
-        "login": "testing",
-        "password": "testing",
-        "extra": {"endpoint_url": sqs_orders.endpoint, "region_name": REGION},
-    }
+    connection = sqs_orders.airflow_connection()
     env = AirflowEnv(
         dags,
         connections={CONN_ID: json.dumps(connection)},
