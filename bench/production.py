@@ -80,7 +80,7 @@ from devkit.demo import (
 )
 from devkit.demo_streams import DemoStream
 from devkit.latency import Hops, envelopes, summary, to_epoch
-from devkit.production import UPSTREAM_ASSET, UPSTREAM_DAG, ProductionTopology
+from devkit.production import LATENCY_PAIR, ProductionTopology, pair_dag
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 RESULTS: Final = ROOT / "bench" / "results"
@@ -472,8 +472,11 @@ def pipeline_run_stats(topology: ProductionTopology, broker: str) -> tuple[int, 
     return len(rows), max((int(count) for _, count in rows), default=0)
 
 
-def upstream_hops(topology: ProductionTopology) -> dict[str, Hops]:
-    """Per order, upstream's first event and the run its event fed (upstream's Dag has one task)."""
+def pair_hops(topology: ProductionTopology, asset: str) -> dict[str, Hops]:
+    """
+    Per order, a latency-pair watcher's first event and the run that event fed (the pair's Dags
+    have one task: "started" is comparable with the pipeline's, "written" is that task's end).
+    """
     rows = topology.env.query_db(
         "SELECT e.timestamp, e.extra, dr.queued_at, ti.start_date, ti.end_date "
         "FROM asset_event e JOIN asset a ON a.id = e.asset_id "
@@ -481,7 +484,7 @@ def upstream_hops(topology: ProductionTopology) -> dict[str, Hops]:
         "LEFT JOIN dag_run dr ON dr.id = d.dag_run_id AND dr.dag_id = ? "
         "LEFT JOIN task_instance ti ON ti.dag_id = dr.dag_id AND ti.run_id = dr.run_id AND ti.task_id = ? "
         "WHERE a.name = ? ORDER BY e.id",
-        (UPSTREAM_DAG, "handle_orders", UPSTREAM_ASSET),
+        (pair_dag(asset), "handle_orders", asset),
     )
     hops: dict[str, Hops] = {}
     for stamp, extra, queued, started, ended in rows:
@@ -493,6 +496,25 @@ def upstream_hops(topology: ProductionTopology) -> dict[str, Hops]:
                 )
                 hops.setdefault(order_id, Hops()).merge(candidate)
     return hops
+
+
+def pair_check(topology: ProductionTopology, publisher: Publisher) -> dict[str, dict[str, int]]:
+    """Per latency-pair watcher: orders published, with an event, with a finished task; lost."""
+    wanted = set(first_sent(publisher))
+    out: dict[str, dict[str, int]] = {}
+    for asset in LATENCY_PAIR:
+        hops = pair_hops(topology, asset)
+        out[asset] = {
+            "orders": len(wanted),
+            "with_event": len(wanted & hops.keys()),
+            "task_ended": sum(1 for order_id in wanted if order_id in hops and hops[order_id].written is not None),
+            "lost": len(wanted - hops.keys()),
+        }
+    return out
+
+
+def pair_done(topology: ProductionTopology, publisher: Publisher) -> bool:
+    return all(c["task_ended"] == c["orders"] for c in pair_check(topology, publisher).values())
 
 
 def output_order_ids(dataset_dir: Path) -> Counter[str]:
@@ -712,7 +734,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spark", choices=("standalone", "local"), default="standalone")
     parser.add_argument("--stress", type=int, default=0, help="CPU-burning processes beside the topology")
     parser.add_argument(
-        "--upstream-kafka", action="store_true", help="also the upstream Kafka provider's stream (latency comparison)"
+        "--upstream-kafka",
+        action="store_true",
+        help="also the latency pair: upstream's Kafka stream and ours, one watcher and one light task each",
+    )
+    parser.add_argument(
+        "--no-pipeline",
+        dest="pipeline",
+        action="store_false",
+        help="without the example Dags: only the latency pair (requires --upstream-kafka and kafka)",
     )
     parser.add_argument(
         "--ha", choices=("kafka-ha", "recipe"), default=None, help="how the two triggerers share watchers"
@@ -742,6 +772,8 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
     unknown = sorted(set(actions) - set(ACTIONS))
     if unknown:
         raise SystemExit(f"unknown chaos actions {unknown}; choose from {', '.join(ACTIONS)}")
+    if not args.pipeline and (args.chaos != "none" or not args.upstream_kafka or "kafka" not in brokers):
+        raise SystemExit("--no-pipeline runs the latency pair alone: give --upstream-kafka, kafka and --chaos none")
     workdir = Path(tempfile.mkdtemp(prefix="bench-production-"))
     seconds = args.minutes * 60.0
     topology = ProductionTopology(
@@ -750,6 +782,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
         spark=args.spark,
         batch_size=args.batch_size,
         upstream_kafka=args.upstream_kafka,
+        pipeline=args.pipeline,
         ha=args.ha,
     )
     result: dict[str, Any] = {
@@ -787,27 +820,38 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
             publish_end = time.time()
             say("publishing done; draining ...")
             deadline = time.monotonic() + args.drain_timeout
-            pending = set(brokers)
-            while pending and time.monotonic() < deadline:
+            pending = set(brokers) if args.pipeline else set()
+            pair_pending = args.upstream_kafka
+            while (pending or pair_pending) and time.monotonic() < deadline:
                 topology.env.check_alive()
                 pending = {b for b in pending if not drained(topology, b, publishers[b], chaos.log.pauses[b])}
-                if pending:
+                pair_pending = pair_pending and not pair_done(topology, publishers["kafka"])
+                if pending or pair_pending:
                     time.sleep(10)
             result["drain_s"] = round(time.time() - publish_end, 1)
-            result["drained"] = not pending
-            checks = {b: check_broker(topology, b, publishers[b], chaos.log.pauses[b]) for b in brokers}
+            result["drained"] = not (pending or pair_pending)
+            checks = (
+                {b: check_broker(topology, b, publishers[b], chaos.log.pauses[b]) for b in brokers}
+                if args.pipeline
+                else {}
+            )
             result["checks"] = {b: {**vars(c), "ok": c.ok} for b, c in checks.items()}
-            result["latency"] = {b: latency(topology, b, publishers[b], started) for b in brokers}
+            result["latency"] = (
+                {b: latency(topology, b, publishers[b], started) for b in brokers} if args.pipeline else {}
+            )
+            pair_ok = True
             if args.upstream_kafka:
-                # Upstream's Dag has one task: "started" is comparable, "written" is that task's end.
-                hops = upstream_hops(topology)
-                result["latency"]["upstream-kafka"] = {
-                    **hop_latency(hops, first_sent(publishers["kafka"]), started),
-                    "delivered_orders": len(hops),
-                }
+                result["latency_pair"] = pair_check(topology, publishers["kafka"])
+                pair_ok = all(c["lost"] == 0 for c in result["latency_pair"].values())
+                for asset in LATENCY_PAIR:
+                    hops = pair_hops(topology, asset)
+                    result["latency"][asset] = {
+                        **hop_latency(hops, first_sent(publishers["kafka"]), started),
+                        "delivered_orders": len(hops),
+                    }
             result["chaos"] = {"events": chaos.log.events, "errors": chaos.errors}
             result["publish_errors"] = {b: p.errors[:5] for b, p in publishers.items() if p.errors}
-            result["ok"] = all(c.ok for c in checks.values()) and not chaos.errors
+            result["ok"] = all(c.ok for c in checks.values()) and pair_ok and not chaos.errors
     finally:
         for publisher in publishers.values():
             publisher.stop_event.set()
@@ -848,6 +892,8 @@ def render(result: Mapping[str, Any]) -> str:
             lines.append(f"| {broker} | {hop} | {s['n']} | {s['p50_ms']} | {s['p95_ms']} | {s['max_ms']} |")
         windows = ", ".join(f"{w}: {p}" for w, p in lat["written_p95_ms_per_window"].items())
         lines.append(f"| {broker} | publish_to_written p95 per window | | {windows} | | |")
+    for asset, c in result.get("latency_pair", {}).items():
+        lines.append(f"latency pair {asset}: {c}")
     lines.append("")
     for event in result.get("chaos", {}).get("events", []):
         lines.append(f"chaos {event}")

@@ -57,10 +57,18 @@ SPARK_CONN_ID: Final = "spark_orders"
 STANDBY_QUEUE: Final = "standby"  # the second triggerer's queue in the recipe: no watcher has it
 SECOND_TRIGGERER: Final = "triggerer-b"
 QUEUE_BROKERS: Final = frozenset({"sqs", "pubsub", "servicebus", "redis"})
-UPSTREAM_DAG_FILE: Final = Path(__file__).resolve().parent / "dags" / "upstream_kafka_orders.py"
-UPSTREAM_ASSET: Final = "upstream_kafka_orders"  # asset name == watcher name, as in that file
-UPSTREAM_DAG: Final = "upstream_kafka_orders_consumer"
+# The latency pair (devkit/dags/kafka_latency_pair.py): asset name == watcher name, and each
+# asset's consumer Dag is "<asset>_consumer" with one task, ``handle_orders``.
+LATENCY_PAIR_FILE: Final = Path(__file__).resolve().parent / "dags" / "kafka_latency_pair.py"
+UPSTREAM_ASSET: Final = "upstream_kafka_orders"
+OURS_N1_ASSET: Final = "ours_kafka_orders_n1"
+LATENCY_PAIR: Final = (UPSTREAM_ASSET, OURS_N1_ASSET)
 UPSTREAM_CONN_ID: Final = "kafka_upstream"
+
+
+def pair_dag(asset: str) -> str:
+    return f"{asset}_consumer"
+
 
 HaMode = Literal["kafka-ha", "recipe"]
 
@@ -96,9 +104,13 @@ class ProductionTopology:
         suite's ``FAST_SETTINGS`` (a crash of the *machine* could lose commits; a killed Airflow
         process cannot).
     :param startup_timeout: seconds for each start-up wait.
-    :param upstream_kafka: also run the upstream Kafka provider's shared stream on the same topic
-        (``devkit/dags/upstream_kafka_orders.py``: its own consumer group, one watcher, one Dag),
+    :param upstream_kafka: also run the latency pair on the Kafka broker's topic
+        (``devkit/dags/kafka_latency_pair.py``): the upstream Kafka provider's shared stream and
+        ours, one watcher each in a consumer group of its own, the same one-task consumer Dag;
         the comparison of docs/production.md.
+    :param pipeline: load the brokers' example Dags (watchers, consumers, the PySpark pipeline).
+        ``False`` (only with ``upstream_kafka``) leaves the latency pair alone on the machine: the
+        brokers, PostgreSQL, Spark and both triggerers still run.
     :param ha: ``kafka-ha`` or ``recipe`` (module docstring); default: :func:`ha_mode_for` the brokers.
         ``recipe`` with Kafka alone is allowed (every watcher in one triggerer); ``kafka-ha`` with a
         queue broker is refused (its stream would split: loss by design).
@@ -117,6 +129,7 @@ class ProductionTopology:
     durable_db: bool = True
     startup_timeout: float = 420.0
     upstream_kafka: bool = False
+    pipeline: bool = True
     task_heartbeat_timeout: int = 60
     ha: HaMode | None = None
 
@@ -133,6 +146,8 @@ class ProductionTopology:
             raise ValueError("kafka-ha splits streams between triggerers: only with Kafka alone")
         if self.upstream_kafka and "kafka" not in self.brokers:
             raise ValueError("upstream_kafka compares on the kafka broker's topic: add kafka to brokers")
+        if not self.pipeline and not self.upstream_kafka:
+            raise ValueError("without the pipeline the topology runs only the latency pair: add upstream_kafka")
 
     # -- what runs --------------------------------------------------------------------------------
     @property
@@ -151,14 +166,14 @@ class ProductionTopology:
         return self.workdir / "output"
 
     def watchers(self, broker: str | None = None) -> tuple[str, ...]:
-        """The example watchers of ``broker`` (default: of every broker, plus upstream's)."""
-        names = [broker] if broker else list(self.brokers)
-        extra = (UPSTREAM_ASSET,) if self.upstream_kafka and broker is None else ()
+        """The example watchers of ``broker`` (default: of every broker, plus the latency pair's)."""
+        names = ([broker] if broker else list(self.brokers)) if self.pipeline else []
+        extra = LATENCY_PAIR if self.upstream_kafka and broker is None else ()
         return tuple(watcher for name in names for watcher in self.streams[name].watchers) + extra
 
     def consumer_dags(self, broker: str | None = None) -> tuple[str, ...]:
-        names = [broker] if broker else list(self.brokers)
-        extra = (UPSTREAM_DAG,) if self.upstream_kafka and broker is None else ()
+        names = ([broker] if broker else list(self.brokers)) if self.pipeline else []
+        extra = tuple(map(pair_dag, LATENCY_PAIR)) if self.upstream_kafka and broker is None else ()
         return tuple(dag_id for name in names for dag_id in self.streams[name].consumer_dags) + extra
 
     def describe(self) -> str:
@@ -206,8 +221,9 @@ class ProductionTopology:
             self.spark_cluster.start()
             spark_connection = self.spark_cluster.standalone_connection(**{"spark.cores.max": "1"})
             say(f"  Spark: {self.spark_cluster.master_url} (UI {self.spark_cluster.master_ui_url})")
-        dag_files = tuple(dict.fromkeys(f for stream in self.streams.values() for f in stream.dag_files))
-        extra_files = (UPSTREAM_DAG_FILE,) if self.upstream_kafka else ()
+        pipelines = self.streams.values() if self.pipeline else ()
+        dag_files = tuple(dict.fromkeys(f for stream in pipelines for f in stream.dag_files))
+        extra_files = (LATENCY_PAIR_FILE,) if self.upstream_kafka else ()
         dags = build_dags_folder(self.workdir / "dags", files=dag_files, extra=extra_files)
         connections: dict[str, Any] = {SPARK_CONN_ID: dict(spark_connection)}
         if self.upstream_kafka:
@@ -273,7 +289,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spark", choices=("standalone", "local"), default="standalone")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
-    parser.add_argument("--upstream-kafka", action="store_true", help="also the upstream Kafka provider's stream")
+    parser.add_argument(
+        "--upstream-kafka", action="store_true", help="also the latency pair (upstream's Kafka stream and ours, N=1)"
+    )
+    parser.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="only the latency pair")
     parser.add_argument("--ha", choices=("kafka-ha", "recipe"), default=None, help="default: by the brokers")
     return parser.parse_args(argv)
 
@@ -292,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spark=args.spark,
         batch_size=args.batch_size,
         upstream_kafka=args.upstream_kafka,
+        pipeline=args.pipeline,
         ha=args.ha,
     )
     try:

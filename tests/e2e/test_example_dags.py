@@ -35,3 +35,24 @@ def test_example_dags_parse_without_broker_sdks() -> None:
     for broker in BROKER_NAMES:  # every registry broker ships the orders example Dags
         assert f"{broker}_orders_eu_consumer" in report["dags"]
         assert f"{broker}_orders_spark_pipeline" in report["dags"]
+
+
+def test_latency_pair_dags_parse() -> None:
+    """devkit/dags/kafka_latency_pair.py: the upstream provider's watcher and ours, one Dag each."""
+    from devkit.production import LATENCY_PAIR, LATENCY_PAIR_FILE, pair_dag
+
+    code = textwrap.dedent(
+        f"""
+        import json
+        from airflow.dag_processing.dagbag import DagBag
+        bag = DagBag(dag_folder={str(LATENCY_PAIR_FILE)!r})
+        print(json.dumps({{"errors": bag.import_errors, "dags": sorted(bag.dag_ids)}}))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["errors"] == {}
+    assert report["dags"] == sorted(pair_dag(asset) for asset in LATENCY_PAIR)
