@@ -34,21 +34,31 @@ them (:func:`known_over_cap`, counted as hypothesis events). Each names its
 fails, as a reminder).
 
 ``FUZZ_EXAMPLES=200`` runs a longer hunt with the same fixed seed.
+
+What every broker shares lives here too, so that a broker's ``test_fuzz.py`` holds only what is
+its own: a :class:`FuzzTargetBase` subclass (how one message is published, how its dead letters
+are read back, what its envelopes and dead letters must carry), its strategies and limits, and a
+``fuzz_targets`` fixture. It imports the ``session`` fixture from here, and its test is
+``await session.run(batch)`` under :func:`fuzz_test` (its messages, its explicit batches).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import math
 import os
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final, Generic, Protocol, TypeVar
 
-from hypothesis import HealthCheck, Phase, event, settings
+import pytest
+from airflow.triggers.shared_stream import SharedStreamManager
+from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 from airflow_shared_stream_provider._core.batching import BATCH_OVERHEAD
@@ -66,6 +76,11 @@ MAX_DEEP: Final = 1100
 ACCOUNT_TIMEOUT: Final = 45.0
 
 WATCHERS: Final = ("all", "raiser", "match")
+DEAD_LETTER_PREFIX: Final = "x-dead-letter-"
+"""What the provider's dead-letter attributes are named with (``x-dead-letter-reason``, ``-source``...)."""
+DEAD_LETTER_REASON: Final = DEAD_LETTER_PREFIX + "reason"
+FUZZ_TIMEOUT: Final = 300
+"""Seconds for a whole fuzz test: its streams live across every example (see the module doc)."""
 
 FUZZ_SETTINGS: Final = settings(
     # FUZZ_EXAMPLES=200 for a longer local hunt (same fixed seed: still deterministic).
@@ -138,6 +153,23 @@ class FuzzMessage:
     def __repr__(self) -> str:
         body = self.body if self.body is None or len(self.body) <= 80 else self.body[:80] + b"...(%d)" % len(self.body)
         return f"FuzzMessage(body={body!r}, raise_text={self.raise_text!r}, huge={self.huge}, extras={self.extras!r})"
+
+
+MakeMessage = Callable[..., FuzzMessage]
+"""A broker's plain message: ``make(body, **its extras, **FuzzMessage fields)``, extras at their defaults."""
+
+
+def standard_examples(make: MakeMessage) -> list[FuzzMessage]:
+    """
+    The bodies every broker's explicit example batch carries (hypothesis runs it before anything
+    generated, on every run): binary, deep JSON, NaN in JSON on a marked message, clearly oversize.
+    """
+    return [
+        make(b"\x00\xff\xfe"),
+        make(b"[" * 500 + b"]" * 500),
+        make(b'{"v": NaN, "kind": "a"}', raise_text="nan"),
+        make(b'{"kind":"a","blob":"' + b"x" * HUGE_MIN_BYTES + b'"}', huge=True),
+    ]
 
 
 # -- strategies ---------------------------------------------------------------------------------------
@@ -327,6 +359,14 @@ def expected_decoding(raw: bytes | None) -> tuple[str, Any]:
     return "json", value
 
 
+def marked_reason(message: FuzzMessage) -> str | None:
+    """The reason a marked ``message`` is dead-lettered with (:func:`filter_reason`); None if it is not marked."""
+    if message.raise_text is None:
+        return None
+    _, body = expected_decoding(message.body)
+    return filter_reason(message.raise_text, body)
+
+
 JSON_DEPTH_LIMIT: Final = 64
 """docs/envelope.md: JSON nested deeper than 64 levels is delivered as text (``body_depth_exceeded``)."""
 
@@ -470,6 +510,71 @@ class FuzzTarget(Protocol):
     def reason_may_be_missing(self, message: FuzzMessage) -> bool:
         """True when the broker's attribute limit leaves no room for the ``x-dead-letter-*`` reason."""
 
+    def check_dead_record(self, message: FuzzMessage, record: DeadRecord) -> None:
+        """Broker-specific checks of a dead-lettered message (original kept, broker limits respected)."""
+
+
+class _ContractAdapter(Protocol):
+    """What :class:`FuzzTargetBase` uses of a broker's contract adapter (tests/integration/<broker>/conftest.py)."""
+
+    def make_trigger(self, **kwargs: Any) -> Any: ...
+
+    async def unsettled(self) -> int: ...
+
+
+AdapterT = TypeVar("AdapterT", bound=_ContractAdapter)
+TargetT = TypeVar("TargetT", bound="FuzzTargetBase[Any]")
+
+
+class FuzzTargetBase(ABC, Generic[AdapterT]):
+    """
+    A :class:`FuzzTarget` less what only its broker knows: the contract adapter it wraps (its
+    triggers and its count of unsettled messages are the adapter's), the stream's name in reports
+    and the watchers' batch size. A broker's subclass adds the abstract methods and, where its
+    attribute limit can leave no room for the reason, :meth:`reason_may_be_missing`.
+    """
+
+    def __init__(self, adapter: AdapterT, name: str, *, batch_size: int = 1) -> None:
+        self.adapter = adapter
+        self.name = name
+        self.batch_size = batch_size
+
+    @classmethod
+    def of(cls: type[TargetT], target: FuzzTargetBase[Any]) -> TargetT:
+        """
+        ``target``'s stream through this subclass (a hostile test's own publishing or reading of
+        dead letters), for a subclass whose constructor takes what this one does.
+        """
+        return cls(target.adapter, target.name, batch_size=target.batch_size)
+
+    def make_trigger(self, **kwargs: Any) -> Any:
+        return self.adapter.make_trigger(**kwargs)
+
+    async def publish(self, messages: Sequence[FuzzMessage]) -> None:
+        """One call per message, in order: each has its own extras, an adapter's ``publish`` one set per call."""
+        for message in messages:
+            await self.publish_one(message)
+
+    @abstractmethod
+    async def publish_one(self, message: FuzzMessage) -> None:
+        """Publish ``message`` as the broker's own sender would: body, marker and extras."""
+
+    async def unsettled(self) -> int:
+        return await self.adapter.unsettled()
+
+    @abstractmethod
+    async def dead_letters(self) -> list[DeadRecord]:
+        """Every message in the dead-letter target so far, each with an identity stable across reads."""
+
+    @abstractmethod
+    def expected_attributes(self, message: FuzzMessage) -> dict[str, str] | None:
+        """The envelope's ``attributes`` for ``message`` (None: not checked)."""
+
+    def reason_may_be_missing(self, message: FuzzMessage) -> bool:
+        """False: the broker always has room for the ``x-dead-letter-*`` reason (override where it has not)."""
+        return False
+
+    @abstractmethod
     def check_dead_record(self, message: FuzzMessage, record: DeadRecord) -> None:
         """Broker-specific checks of a dead-lettered message (original kept, broker limits respected)."""
 
@@ -657,6 +762,48 @@ class FuzzSession:
     async def _settled(self, stream: FuzzStream, messages: Sequence[FuzzMessage], mark: _Mark) -> None:
         """Retry :meth:`FuzzStream.verify` until it passes or the timeout: then its failure is the report."""
         await retry_assertion(lambda: stream.verify(self.runner, messages, mark), timeout=self.settle_timeout)
+
+
+@contextlib.asynccontextmanager
+async def fuzz_session(
+    targets: Sequence[FuzzTarget], *, max_payload_bytes: int = MAX_PAYLOAD_BYTES
+) -> AsyncIterator[FuzzSession]:
+    """
+    A :class:`FuzzSession` on ``targets``: the real manager (a 60 s ack timeout: a batch that fans
+    out slowly is not a stuck one) and a runner persisting every 50 ms, for a whole test.
+    """
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
+        yield FuzzSession.start(runner, targets, max_payload_bytes=max_payload_bytes)
+
+
+@pytest.fixture
+async def session(fuzz_targets: Sequence[FuzzTarget]) -> AsyncIterator[FuzzSession]:
+    """
+    Every broker's fuzz session, on its ``fuzz_targets`` fixture; a broker's ``test_fuzz.py``
+    imports it. Function-scoped but alive across hypothesis examples, on purpose (see
+    :data:`FUZZ_SETTINGS`): a stream per example would not fit in CI.
+    """
+    async with fuzz_session(fuzz_targets) as started:
+        yield started
+
+
+def fuzz_test(
+    messages: st.SearchStrategy[FuzzMessage], *explicit: list[FuzzMessage]
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """
+    The decorators of every broker's ``test_fuzzed_input_is_delivered_or_dead_lettered``: a
+    :data:`FUZZ_TIMEOUT`, :data:`FUZZ_SETTINGS`, :func:`batches` of ``messages`` and the
+    ``explicit`` example batches, run first and in this order. The test itself stays in the
+    broker's module, as ``await session.run(batch)``: its source is what hypothesis derives the
+    fixed seed from (decorators excluded), so moving it would change what CI generates.
+    """
+
+    def decorate(test: Callable[..., Any]) -> Callable[..., Any]:
+        for batch in reversed(explicit):  # hypothesis runs the last one added first
+            test = example(batch=batch)(test)
+        return pytest.mark.timeout(FUZZ_TIMEOUT)(FUZZ_SETTINGS(given(batch=batches(messages))(test)))
+
+    return decorate
 
 
 async def retry_assertion(check: Callable[[], Awaitable[None]], *, timeout: float, interval: float = 0.2) -> None:

@@ -28,17 +28,15 @@ lines, the source of the table in docs/reliability.md ("Hostile input").
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from airflow.triggers.shared_stream import SharedStreamManager
-
-from devkit.runner import RunnerSim
 from tests.integration.fuzz import (
+    DEAD_LETTER_PREFIX,
+    DEAD_LETTER_REASON,
     JSON_DEPTH_LIMIT,
     RAISE_ATTRIBUTE,
     WATCHERS,
@@ -47,10 +45,12 @@ from tests.integration.fuzz import (
     FuzzSession,
     FuzzStream,
     FuzzTarget,
+    MakeMessage,
     canonical,
     expected_decoding,
-    filter_reason,
+    fuzz_session,
     json_depth,
+    marked_reason,
     message_key,
     payload_size,
     retry_assertion,
@@ -60,13 +60,9 @@ HOSTILE_PAYLOAD_BYTES: Final = 65536
 """The watchers' ``max_payload_bytes``: the default, so that hostile messages can be delivered."""
 CASE_TIMEOUT: Final = 45.0
 QUIET_SECONDS: Final = 1.0
-DEAD_LETTER_PREFIX: Final = "x-dead-letter-"
 FORGED_REASON: Final = "forged by the sender"
 DEPTHS: Final = (299, 300, 995, 996, 1000, 5000)
 """Around msgspec's limit (~996 levels from an empty stack) and Airflow's (~397 from 200 frames)."""
-
-# A broker's plain message: body plus what only that broker has, left at its defaults.
-MakeMessage = Callable[..., FuzzMessage]
 
 
 @dataclass(frozen=True)
@@ -227,9 +223,8 @@ def check_dead(
         assert target.reason_may_be_missing(message), f"{label}: dead-lettered without a reason"
     if case.forged:
         assert message.raise_text is not None
-        _, body = expected_decoding(message.body)
         reasons = reasons_of(record)
-        assert reasons == [filter_reason(message.raise_text, body)], (
+        assert reasons == [marked_reason(message)], (
             f"{label}: a forged x-dead-letter-reason stands beside or for the provider's: {reasons!r}"
         )
     else:
@@ -277,16 +272,6 @@ async def run_case(
         print(f"HOSTILE {broker}/{stream.target.name} {case.name}: {summary} ({elapsed:.1f} s)")
 
 
-@contextlib.asynccontextmanager
-async def hostile_session(targets: Sequence[FuzzTarget]) -> AsyncIterator[FuzzSession]:
-    """
-    The corpus' session on a broker's fuzz targets: the real manager (a 60 s ack timeout: a case
-    that fans out slowly is not a stuck one), a runner persisting every 50 ms, the default cap.
-    """
-    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-        yield FuzzSession.start(runner, list(targets), max_payload_bytes=HOSTILE_PAYLOAD_BYTES)
-
-
 async def run_corpus_on(
     targets: Sequence[FuzzTarget],
     cases: Sequence[HostileCase],
@@ -295,8 +280,8 @@ async def run_corpus_on(
     *,
     broker: str,
 ) -> None:
-    """A broker's whole hostile test: :func:`run_corpus` in a :func:`hostile_session` on ``targets``."""
-    async with hostile_session(targets) as session:
+    """A broker's whole hostile test: :func:`run_corpus` in a ``fuzz.fuzz_session`` on ``targets``, the default cap."""
+    async with fuzz_session(targets, max_payload_bytes=HOSTILE_PAYLOAD_BYTES) as session:
         await run_corpus(session, cases, make, reasons_of, broker=broker)
 
 
@@ -312,7 +297,7 @@ async def run_corpus(
         await run_case(session, case, make, reasons_of, broker=broker)
 
 
-def forged_attributes(reason_name: str = DEAD_LETTER_PREFIX + "reason") -> dict[str, str]:
+def forged_attributes(reason_name: str = DEAD_LETTER_REASON) -> dict[str, str]:
     """What a sender could forge: the provider's dead-letter attributes, in two spellings."""
     return {
         reason_name: FORGED_REASON,

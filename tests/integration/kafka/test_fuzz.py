@@ -11,32 +11,21 @@ and up to 200 of them.
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Final
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
-from hypothesis import example, given
 from hypothesis import strategies as st
 
 from devkit.runner import RunnerSim
-from tests.integration.fuzz import (
-    FUZZ_SETTINGS,
-    HUGE_MIN_BYTES,
-    RAISE_ATTRIBUTE,
-    DeadRecord,
-    FuzzMessage,
-    FuzzSession,
-    batches,
-    bodies,
-    raise_texts,
-    settle_or_fail,
-)
+from tests.integration import fuzz
+from tests.integration.fuzz import DEAD_LETTER_PREFIX, RAISE_ATTRIBUTE, DeadRecord, FuzzMessage, FuzzSession, session
 from tests.integration.kafka.conftest import KafkaAdapter, create_topics
 
 pytestmark = [pytest.mark.integration, pytest.mark.kafka]
 
-DEAD_LETTER_PREFIX: Final = "x-dead-letter-"
+__all__ = ["session"]  # the fixture, shared by every broker's test_fuzz.py
 
 header_names = (st.text(max_size=24) | st.sampled_from(["", "\x00", "é", "🔑" * 8, "n" * 300])).filter(
     lambda name: not name.startswith(DEAD_LETTER_PREFIX) and name != RAISE_ATTRIBUTE
@@ -59,8 +48,8 @@ keys = (
 
 @st.composite
 def kafka_messages(draw: st.DrawFn) -> FuzzMessage:
-    body, huge = draw(bodies() | st.just((None, False)))
-    raise_text = draw(raise_texts())
+    body, huge = draw(fuzz.bodies() | st.just((None, False)))
+    raise_text = draw(fuzz.raise_texts())
     headers = draw(few_headers | many_headers)
     key = draw(keys)
     if body is None and key is None:
@@ -85,37 +74,31 @@ def record_headers(message: FuzzMessage) -> list[tuple[str, bytes | None]]:
     return headers
 
 
-class KafkaFuzzTarget:
-    """A topic, its DLQ topic and consumer group, for the fuzzing property."""
+def make(
+    body: bytes | None, *, headers: Sequence[tuple[str, bytes | None]] = (), key: bytes | None = None, **fields: Any
+) -> FuzzMessage:
+    """A plain record (``fuzz.MakeMessage``): no headers, no key but for a tombstone's."""
+    if body is None and key is None:
+        key = b"tombstone"  # a record needs a key or a value
+    return FuzzMessage(body, extras={"headers": list(headers), "key": key}, **fields)
 
-    def __init__(self, adapter: KafkaAdapter, name: str, *, batch_size: int = 1) -> None:
-        self.adapter = adapter
-        self.name = name
-        self.batch_size = batch_size
 
-    def make_trigger(self, **kwargs: Any) -> Any:
-        return self.adapter.make_trigger(**kwargs)
+class KafkaFuzzTarget(fuzz.FuzzTargetBase[KafkaAdapter]):
+    """A topic, its DLQ topic and consumer group, for the fuzzing property (and the hostile corpus)."""
 
-    async def publish(self, messages: Sequence[FuzzMessage]) -> None:
-        for message in messages:
-            await self.adapter.publish([message.body], key=message.extras["key"], headers=record_headers(message))
-
-    async def unsettled(self) -> int:
-        return await self.adapter.unsettled()
+    async def publish_one(self, message: FuzzMessage) -> None:
+        await self.adapter.publish([message.body], key=message.extras["key"], headers=record_headers(message))
 
     async def dead_letters(self) -> list[DeadRecord]:
         records = []
         for record in await self.adapter.dead_letter_records():
-            reasons = [value for name, value in record.headers if name == DEAD_LETTER_PREFIX + "reason"]
+            reasons = [value for name, value in record.headers if name == fuzz.DEAD_LETTER_REASON]
             reason = reasons[-1].decode() if reasons else None
             records.append(DeadRecord(record.offset, record.value, reason, {"headers": record.headers}, record.key))
         return records
 
     def expected_attributes(self, message: FuzzMessage) -> dict[str, str]:
         return {name: header_text(value) for name, value in record_headers(message)}
-
-    def reason_may_be_missing(self, message: FuzzMessage) -> bool:
-        return False
 
     def check_dead_record(self, message: FuzzMessage, record: DeadRecord) -> None:
         assert record.key == message.extras["key"], "the dead letter lost its key"
@@ -137,28 +120,13 @@ async def fuzz_targets(kafka_bootstrap: str, kafka_conn: str) -> list[KafkaFuzzT
     return targets
 
 
-@pytest.fixture
-async def session(fuzz_targets: list[KafkaFuzzTarget]) -> AsyncIterator[FuzzSession]:
-    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-        yield FuzzSession.start(runner, fuzz_targets)
-
-
-def _plain(body: bytes | None, **fields: Any) -> FuzzMessage:
-    return FuzzMessage(body, extras={"headers": [], "key": None if body is not None else b"tombstone"}, **fields)
-
-
-@pytest.mark.timeout(300)
-@FUZZ_SETTINGS
-@given(batch=batches(kafka_messages()))
-@example(
-    batch=[
-        _plain(None),
-        _plain(b"\x00\xff\xfe"),
-        _plain(b"[" * 500 + b"]" * 500),
-        _plain(b'{"v": NaN, "kind": "a"}', raise_text="nan"),
-        _plain(b'{"kind":"a","blob":"' + b"x" * HUGE_MIN_BYTES + b'"}', huge=True),
-        FuzzMessage(b"", extras={"headers": [("h", b"\xff"), ("h", None), ("", b"")], "key": b"\xff\x00"}),
-    ]
+@fuzz.fuzz_test(
+    kafka_messages(),
+    [
+        make(None),
+        *fuzz.standard_examples(make),
+        make(b"", headers=[("h", b"\xff"), ("h", None), ("", b"")], key=b"\xff\x00"),
+    ],
 )
 async def test_fuzzed_input_is_delivered_or_dead_lettered(session: FuzzSession, batch: list[FuzzMessage]) -> None:
     await session.run(batch)
@@ -173,7 +141,7 @@ async def test_a_record_near_the_size_limit_is_dead_lettered_without_its_value(a
     await adapter.publish([b"x" * size, b"after"], partition=0)
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger())
-        await settle_or_fail(runner, adapter.unsettled, timeout=30)
+        await fuzz.settle_or_fail(runner, adapter.unsettled, timeout=30)
         assert not runner.failures, f"the stream crashed: {runner.failures!r}"
         assert await adapter.unsettled() == 0, "the partition is stuck"
     assert [p["body"] for p in runner.persisted[1]] == ["after"]

@@ -13,21 +13,15 @@ tests/integration/kafka/raw_records.py), and forged ``x-dead-letter-*`` headers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
 import pytest
 
 from airflow_shared_stream_provider._core.envelope import text_value
-from tests.integration.fuzz import DeadRecord, FuzzMessage
-from tests.integration.hostile import (
-    DEAD_LETTER_PREFIX,
-    HostileCase,
-    forged_attributes,
-    neutral_cases,
-    run_corpus_on,
-)
+from tests.integration.fuzz import DEAD_LETTER_REASON, DeadRecord, FuzzMessage
+from tests.integration.hostile import HostileCase, forged_attributes, neutral_cases, run_corpus_on
 from tests.integration.kafka.raw_records import RawRecord, publish_raw_records
-from tests.integration.kafka.test_fuzz import KafkaFuzzTarget, fuzz_targets
+from tests.integration.kafka.test_fuzz import KafkaFuzzTarget, fuzz_targets, make
 
 pytestmark = [pytest.mark.integration, pytest.mark.kafka]
 
@@ -35,14 +29,6 @@ __all__ = ["fuzz_targets"]  # the fixture, shared with test_fuzz.py
 
 REQUEST_LIMIT: Final = 1024 * 1024
 """aiokafka's default max_request_size: the largest record a client here can publish."""
-
-
-def make(
-    body: bytes | None, *, headers: Sequence[tuple[str, bytes | None]] = (), key: bytes | None = None, **fields: Any
-) -> FuzzMessage:
-    if body is None and key is None:
-        key = b"tombstone"  # a record needs a key or a value
-    return FuzzMessage(body, extras={"headers": list(headers), "key": key}, **fields)
 
 
 def raw(body: bytes, headers: Sequence[tuple[bytes, bytes | None]]) -> FuzzMessage:
@@ -53,21 +39,16 @@ def raw(body: bytes, headers: Sequence[tuple[bytes, bytes | None]]) -> FuzzMessa
 class KafkaHostileTarget(KafkaFuzzTarget):
     """The fuzz target, plus records whose header names aiokafka's producer cannot write."""
 
-    @classmethod
-    def of(cls, target: KafkaFuzzTarget) -> KafkaHostileTarget:
-        return cls(target.adapter, target.name, batch_size=target.batch_size)
-
-    async def publish(self, messages: Sequence[FuzzMessage]) -> None:
-        for message in messages:
-            raw_headers = message.extras.get("raw_headers")
-            if raw_headers is None:
-                await super().publish([message])
-                continue
-            adapter = self.adapter
-            partition = adapter.published % adapter.partitions
-            record = RawRecord(value=message.body, key=message.extras["key"], headers=tuple(raw_headers))
-            await publish_raw_records(adapter.bootstrap, adapter.topic, partition, [record])
-            adapter.published += 1
+    async def publish_one(self, message: FuzzMessage) -> None:
+        raw_headers = message.extras.get("raw_headers")
+        if raw_headers is None:
+            await super().publish_one(message)
+            return
+        adapter = self.adapter
+        partition = adapter.published % adapter.partitions
+        record = RawRecord(value=message.body, key=message.extras["key"], headers=tuple(raw_headers))
+        await publish_raw_records(adapter.bootstrap, adapter.topic, partition, [record])
+        adapter.published += 1
 
     def expected_attributes(self, message: FuzzMessage) -> dict[str, str]:
         raw_headers = message.extras.get("raw_headers")
@@ -118,7 +99,7 @@ def reasons_of(record: DeadRecord) -> list[str]:
     return [
         value.decode() if value is not None else ""
         for name, value in record.attributes["headers"]
-        if name.lower() == DEAD_LETTER_PREFIX + "reason"
+        if name.lower() == DEAD_LETTER_REASON
     ]
 
 

@@ -10,40 +10,26 @@ what the producer dead-letters.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Mapping
 from typing import Any, Final
 
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
-from hypothesis import example, given
 from hypothesis import strategies as st
 
 from devkit.runner import RunnerSim
-from tests.integration.fuzz import (
-    FUZZ_SETTINGS,
-    HUGE_MIN_BYTES,
-    MAX_PAYLOAD_BYTES,
-    RAISE_ATTRIBUTE,
-    DeadRecord,
-    FuzzMessage,
-    FuzzSession,
-    batches,
-    bodies,
-    expected_decoding,
-    filter_reason,
-    payload_size,
-    raise_texts,
-    settle_or_fail,
-)
+from tests.integration import fuzz
+from tests.integration.fuzz import MAX_PAYLOAD_BYTES, RAISE_ATTRIBUTE, DeadRecord, FuzzMessage, FuzzSession, session
 from tests.integration.pubsub.conftest import PubSubAdapter
 
 pytestmark = [pytest.mark.integration, pytest.mark.pubsub]
+
+__all__ = ["session"]  # the fixture, shared by every broker's test_fuzz.py
 
 MAX_ATTRIBUTES: Final = 100
 MAX_KEY_BYTES: Final = 256
 MAX_VALUE_BYTES: Final = 1024
 MAX_ORDERING_KEY_BYTES: Final = 1024
-DEAD_LETTER_PREFIX: Final = "x-dead-letter-"
 
 
 def utf8_size(text: str) -> int:
@@ -55,7 +41,7 @@ def valid_key(key: str) -> bool:
         0 < utf8_size(key) <= MAX_KEY_BYTES
         and not key.startswith("goog")  # reserved by Pub/Sub
         # Not generated: the producer overwrites original x-dead-letter-* attributes on purpose.
-        and not key.startswith(DEAD_LETTER_PREFIX)
+        and not key.startswith(fuzz.DEAD_LETTER_PREFIX)
         and key != RAISE_ATTRIBUTE
     )
 
@@ -71,18 +57,17 @@ ordering_keys = st.just("") | st.text(min_size=1, max_size=16) | st.sampled_from
 
 def pubsub_known_bug(message: FuzzMessage) -> str | None:
     """Pub/Sub-only exclusions (see tests/integration/fuzz.py known_bug): each has its xfail reproduction."""
-    if message.raise_text is not None:
-        _, body = expected_decoding(message.body)
-        if utf8_size(filter_reason(message.raise_text, body)[: MAX_VALUE_BYTES - 1]) > MAX_VALUE_BYTES:
-            # test_a_long_non_ascii_reason_is_cut_to_the_attribute_limit
-            return "dead-letter reason over Pub/Sub's 1024-byte attribute value limit"
+    reason = fuzz.marked_reason(message)
+    if reason is not None and utf8_size(reason[: MAX_VALUE_BYTES - 1]) > MAX_VALUE_BYTES:
+        # test_a_long_non_ascii_reason_is_cut_to_the_attribute_limit
+        return "dead-letter reason over Pub/Sub's 1024-byte attribute value limit"
     return None
 
 
 @st.composite
 def pubsub_messages(draw: st.DrawFn) -> FuzzMessage:
-    body, huge = draw(bodies())
-    raise_text = draw(raise_texts())
+    body, huge = draw(fuzz.bodies())
+    raise_text = draw(fuzz.raise_texts())
     attributes = dict(draw(few_attributes | many_attributes))
     while len(attributes) + (raise_text is not None) > MAX_ATTRIBUTES:
         attributes.popitem()
@@ -99,30 +84,28 @@ def sent_attributes(message: FuzzMessage) -> dict[str, str]:
     return attributes
 
 
-class PubSubFuzzTarget:
-    """A topic, its watched subscription and dead-letter topic, for the fuzzing property."""
+def make(
+    body: bytes | None, *, attributes: Mapping[str, str] | None = None, ordering_key: str = "", **fields: Any
+) -> FuzzMessage:
+    """A plain message (``fuzz.MakeMessage``): no attributes (but one if it has no data), no ordering key."""
+    attrs = dict(attributes or {})
+    if not body and not attrs and fields.get("raise_text") is None:
+        attrs["empty-body"] = ""  # Pub/Sub refuses a message with neither data nor attributes
+    return FuzzMessage(body, extras={"attributes": attrs, "ordering_key": ordering_key}, **fields)
 
-    def __init__(self, adapter: PubSubAdapter, name: str, *, batch_size: int = 1) -> None:
-        self.adapter = adapter
-        self.name = name
-        self.batch_size = batch_size
 
-    def make_trigger(self, **kwargs: Any) -> Any:
-        return self.adapter.make_trigger(**kwargs)
+class PubSubFuzzTarget(fuzz.FuzzTargetBase[PubSubAdapter]):
+    """A topic, its watched subscription and dead-letter topic, for the fuzzing property (and the hostile corpus)."""
 
-    async def publish(self, messages: Sequence[FuzzMessage]) -> None:
-        for message in messages:
-            assert message.body is not None
-            await self.adapter.publish(
-                [message.body], attributes=sent_attributes(message), ordering_key=message.extras.get("ordering_key")
-            )
-
-    async def unsettled(self) -> int:
-        return await self.adapter.unsettled()
+    async def publish_one(self, message: FuzzMessage) -> None:
+        assert message.body is not None
+        await self.adapter.publish(
+            [message.body], attributes=sent_attributes(message), ordering_key=message.extras.get("ordering_key")
+        )
 
     async def dead_letters(self) -> list[DeadRecord]:
         return [
-            DeadRecord(index, data, attributes.get(DEAD_LETTER_PREFIX + "reason"), attributes)
+            DeadRecord(index, data, attributes.get(fuzz.DEAD_LETTER_REASON), attributes)
             for index, (data, attributes) in enumerate(await self.adapter.dead_letters())
         ]
 
@@ -151,27 +134,12 @@ async def fuzz_targets(make_adapter: Any) -> list[PubSubFuzzTarget]:
     ]
 
 
-@pytest.fixture
-async def session(fuzz_targets: list[PubSubFuzzTarget]) -> AsyncIterator[FuzzSession]:
-    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-        yield FuzzSession.start(runner, fuzz_targets)
-
-
-def _plain(body: bytes, **fields: Any) -> FuzzMessage:
-    return FuzzMessage(body, extras={"attributes": {}, "ordering_key": ""}, **fields)
-
-
-@pytest.mark.timeout(300)
-@FUZZ_SETTINGS
-@given(batch=batches(pubsub_messages().filter(lambda m: pubsub_known_bug(m) is None)))
-@example(
-    batch=[
-        _plain(b"\x00\xff\xfe"),
-        _plain(b"[" * 500 + b"]" * 500),
-        _plain(b'{"v": NaN, "kind": "a"}', raise_text="nan"),
-        _plain(b'{"kind":"a","blob":"' + b"x" * HUGE_MIN_BYTES + b'"}', huge=True),
-        FuzzMessage(b"", extras={"attributes": {f"a{i}": "" for i in range(MAX_ATTRIBUTES)}, "ordering_key": "k"}),
-    ]
+@fuzz.fuzz_test(
+    pubsub_messages().filter(lambda m: pubsub_known_bug(m) is None),
+    [
+        *fuzz.standard_examples(make),
+        make(b"", attributes={f"a{i}": "" for i in range(MAX_ATTRIBUTES)}, ordering_key="k"),
+    ],
 )
 async def test_fuzzed_input_is_delivered_or_dead_lettered(session: FuzzSession, batch: list[FuzzMessage]) -> None:
     await session.run(batch)
@@ -185,10 +153,10 @@ async def test_small_body_with_long_metadata_is_checked_against_the_cap(adapter:
     await adapter.publish([b"x"], ordering_key='"' * 1000)
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger(max_payload_bytes=MAX_PAYLOAD_BYTES))
-        await settle_or_fail(runner, adapter.unsettled)
+        await fuzz.settle_or_fail(runner, adapter.unsettled)
         assert not runner.failures
         assert await adapter.unsettled() == 0
-    sizes = [payload_size(p) for p in runner.persisted[1]]
+    sizes = [fuzz.payload_size(p) for p in runner.persisted[1]]
     assert all(size <= MAX_PAYLOAD_BYTES for size in sizes), f"envelope of {sizes} bytes, cap {MAX_PAYLOAD_BYTES}"
 
 
@@ -199,7 +167,7 @@ async def test_a_long_non_ascii_reason_is_cut_to_the_attribute_limit(adapter: Pu
     await adapter.publish([b"x"], attributes={RAISE_ATTRIBUTE: "é" * 500})  # 1000 bytes: a valid attribute
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger(filter_function="tests.integration.fuzz.raise_on_marked"))
-        await settle_or_fail(runner, adapter.unsettled)
+        await fuzz.settle_or_fail(runner, adapter.unsettled)
         assert not runner.failures
     [(_, attributes)] = await adapter.dead_letters()
     for name, value in attributes.items():

@@ -12,21 +12,15 @@ non-UTF-8 bytes (the client refuses them); message ids are the server's.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import grpc
 import pytest
 
-from tests.integration.fuzz import DeadRecord, FuzzMessage
-from tests.integration.hostile import (
-    DEAD_LETTER_PREFIX,
-    HostileCase,
-    forged_attributes,
-    neutral_cases,
-    run_corpus_on,
-)
-from tests.integration.pubsub.test_fuzz import MAX_ATTRIBUTES, PubSubFuzzTarget, fuzz_targets
+from tests.integration.fuzz import DEAD_LETTER_REASON, DeadRecord
+from tests.integration.hostile import HostileCase, forged_attributes, neutral_cases, run_corpus_on
+from tests.integration.pubsub.test_fuzz import MAX_ATTRIBUTES, PubSubFuzzTarget, fuzz_targets, make
 
 pytestmark = [pytest.mark.integration, pytest.mark.pubsub]
 
@@ -34,15 +28,6 @@ __all__ = ["fuzz_targets"]  # the fixture, shared with test_fuzz.py
 
 DATA_LIMIT: Final = 10 * 1000 * 1000
 """Pub/Sub's limit on a message's data (10 MB; the publish request is limited to 10 MB too)."""
-
-
-def make(
-    body: bytes | None, *, attributes: Mapping[str, str] | None = None, ordering_key: str = "", **fields: Any
-) -> FuzzMessage:
-    attrs = dict(attributes or {})
-    if not body and not attrs and fields.get("raise_text") is None:
-        attrs["empty-body"] = ""  # Pub/Sub refuses a message with neither data nor attributes
-    return FuzzMessage(body, extras={"attributes": attrs, "ordering_key": ordering_key}, **fields)
 
 
 def pubsub_cases() -> list[HostileCase]:
@@ -75,7 +60,7 @@ def pubsub_cases() -> list[HostileCase]:
 
 
 def reasons_of(record: DeadRecord) -> list[str]:
-    return [value for name, value in record.attributes.items() if name.lower() == DEAD_LETTER_PREFIX + "reason"]
+    return [value for name, value in record.attributes.items() if name.lower() == DEAD_LETTER_REASON]
 
 
 @pytest.fixture

@@ -14,28 +14,19 @@ from typing import Any, Final
 
 import pytest
 import redis.asyncio as aioredis
-from airflow.triggers.shared_stream import SharedStreamManager
-from hypothesis import given
 from hypothesis import strategies as st
 
 from airflow_shared_stream_provider._core.envelope import text_value
-from devkit.runner import RunnerSim
-from tests.integration.fuzz import (
-    FUZZ_SETTINGS,
-    RAISE_ATTRIBUTE,
-    DeadRecord,
-    FuzzMessage,
-    FuzzSession,
-    batches,
-    bodies,
-    raise_texts,
-)
+from tests.integration import fuzz
+from tests.integration.fuzz import RAISE_ATTRIBUTE, DeadRecord, FuzzMessage, FuzzSession, session
 from tests.integration.redis.conftest import RedisAdapter, fresh_names
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
+__all__ = ["session"]  # the fixture, shared by every broker's test_fuzz.py
+
 BODY: Final = b"body"
-DEAD_LETTER_PREFIX: Final = b"x-dead-letter-"
+DEAD_LETTER_PREFIX: Final = fuzz.DEAD_LETTER_PREFIX.encode()
 ORIGINAL_PREFIX: Final = b"x-original-"
 
 
@@ -62,39 +53,34 @@ def expected_attributes(fields: Sequence[bytes]) -> dict[str, str]:
     return attributes
 
 
-class RedisFuzzTarget:
+def make(
+    body: bytes | None, *, fields: list[tuple[bytes, bytes]] | None = None, entry_id: str = "*", **options: Any
+) -> FuzzMessage:
+    """A plain entry (``fuzz.MakeMessage``): the body field alone, its id the server's."""
+    extras: dict[str, Any] = {"fields": list(fields or [])}
+    if entry_id != "*":
+        extras["entry_id"] = entry_id
+    return FuzzMessage(body, extras=extras, **options)
+
+
+class RedisFuzzTarget(fuzz.FuzzTargetBase[RedisAdapter]):
     """A stream and its dead-letter stream, for the fuzzing property (and the hostile corpus)."""
 
-    def __init__(self, adapter: RedisAdapter, name: str, *, batch_size: int = 1) -> None:
-        self.adapter = adapter
-        self.name = name
-        self.batch_size = batch_size
-
-    def make_trigger(self, **kwargs: Any) -> Any:
-        return self.adapter.make_trigger(**kwargs)
-
-    async def publish(self, messages: Sequence[FuzzMessage]) -> None:
-        for message in messages:
-            entry_id = message.extras.get("entry_id", "*")
-            await self.adapter.publish_fields(wire_fields(message), entry_id=entry_id)
-
-    async def unsettled(self) -> int:
-        return await self.adapter.unsettled()
+    async def publish_one(self, message: FuzzMessage) -> None:
+        entry_id = message.extras.get("entry_id", "*")
+        await self.adapter.publish_fields(wire_fields(message), entry_id=entry_id)
 
     async def dead_letters(self) -> list[DeadRecord]:
         records = []
         for entry_id, fields in await self.adapter.dead_letter_entries():
             pairs = list(zip(fields[::2], fields[1::2], strict=True))
             body = next((value for name, value in pairs if name == BODY), None)
-            reason = next((value.decode() for name, value in pairs if name == DEAD_LETTER_PREFIX + b"reason"), None)
+            reason = next((value.decode() for name, value in pairs if name == fuzz.DEAD_LETTER_REASON.encode()), None)
             records.append(DeadRecord(entry_id, body, reason, {"fields": fields}))
         return records
 
     def expected_attributes(self, message: FuzzMessage) -> dict[str, str]:
         return expected_attributes(wire_fields(message))
-
-    def reason_may_be_missing(self, message: FuzzMessage) -> bool:
-        return False  # Redis has no field limit: the reason is always there
 
     def check_dead_record(self, message: FuzzMessage, record: DeadRecord) -> None:
         """Every original field is kept, in order (a sender's ``x-dead-letter-*`` renamed), then the provider's."""
@@ -126,8 +112,8 @@ FIELD_VALUES: Final = st.binary(max_size=48) | st.sampled_from([b"\x00", b"a\r\n
 
 @st.composite
 def redis_messages(draw: st.DrawFn) -> FuzzMessage:
-    body, huge = draw(bodies())
-    raise_text = draw(raise_texts(max_size=24))
+    body, huge = draw(fuzz.bodies())
+    raise_text = draw(fuzz.raise_texts(max_size=24))
     names = draw(st.lists(FIELD_NAMES, max_size=8))
     # The raising filter reads its own marker field: a generated field of that name would change it.
     fields = [(name, draw(FIELD_VALUES)) for name in names if name.lower() != RAISE_ATTRIBUTE.encode()]
@@ -150,14 +136,6 @@ async def fuzz_targets(redis_client: aioredis.Redis, redis_connection: str) -> A
             await target.adapter.cleanup()
 
 
-@pytest.fixture
-async def session(fuzz_targets: list[RedisFuzzTarget]) -> AsyncIterator[FuzzSession]:
-    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-        yield FuzzSession.start(runner, fuzz_targets)
-
-
-@pytest.mark.timeout(300)
-@FUZZ_SETTINGS
-@given(batch=batches(redis_messages()))
+@fuzz.fuzz_test(redis_messages())
 async def test_fuzzed_input_is_delivered_or_dead_lettered(session: FuzzSession, batch: list[FuzzMessage]) -> None:
     await session.run(batch)

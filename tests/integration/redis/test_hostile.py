@@ -12,19 +12,13 @@ id of the stream is above it).
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
 import pytest
 
-from tests.integration.fuzz import DeadRecord, FuzzMessage
-from tests.integration.hostile import (
-    DEAD_LETTER_PREFIX,
-    HostileCase,
-    forged_attributes,
-    neutral_cases,
-    run_corpus_on,
-)
-from tests.integration.redis.test_fuzz import RedisFuzzTarget, fuzz_targets
+from tests.integration.fuzz import DEAD_LETTER_REASON, DeadRecord
+from tests.integration.hostile import HostileCase, forged_attributes, neutral_cases, run_corpus_on
+from tests.integration.redis.test_fuzz import RedisFuzzTarget, fuzz_targets, make
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
@@ -33,15 +27,6 @@ __all__ = ["fuzz_targets"]  # the fixture, shared with test_fuzz.py
 LARGE_VALUE: Final = 16 * 1024 * 1024
 # Just past 9999-12-31T23:59:59.999: a valid id (Redis takes any 64-bit millisecond part), no date.
 NO_DATE_ID: Final = "253402300800000-0"
-
-
-def make(
-    body: bytes | None, *, fields: list[tuple[bytes, bytes]] | None = None, entry_id: str = "*", **options: Any
-) -> FuzzMessage:
-    extras: dict[str, Any] = {"fields": list(fields or [])}
-    if entry_id != "*":
-        extras["entry_id"] = entry_id
-    return FuzzMessage(body, extras=extras, **options)
 
 
 def redis_cases() -> list[HostileCase]:
@@ -96,7 +81,7 @@ def reasons_of(record: DeadRecord) -> list[str]:
     return [
         value.decode()
         for name, value in zip(fields[::2], fields[1::2], strict=True)
-        if name.lower() == (DEAD_LETTER_PREFIX + "reason").encode()
+        if name.lower() == DEAD_LETTER_REASON.encode()
     ]
 
 

@@ -12,31 +12,21 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Final
 
 import pytest
-from airflow.triggers.shared_stream import SharedStreamManager
 from azure.servicebus import ServiceBusMessage
 from azure.servicebus.aio import ServiceBusSender
-from hypothesis import example, given
 from hypothesis import strategies as st
 
-from devkit.runner import RunnerSim
-from tests.integration.fuzz import (
-    FUZZ_SETTINGS,
-    HUGE_MIN_BYTES,
-    RAISE_ATTRIBUTE,
-    DeadRecord,
-    FuzzMessage,
-    FuzzSession,
-    batches,
-    bodies,
-    raise_texts,
-)
+from tests.integration import fuzz
+from tests.integration.fuzz import RAISE_ATTRIBUTE, DeadRecord, FuzzMessage, FuzzSession, session
 from tests.integration.servicebus.conftest import ServiceBusAdapter, ServiceBusEnv
 
 pytestmark = [pytest.mark.integration, pytest.mark.servicebus]
+
+__all__ = ["session"]  # the fixture, shared by every broker's test_fuzz.py
 
 REJECTED_REASON: Final = "RejectedByWatcher"
 # Not generated: the broker keeps a dead letter's reason and description in these properties.
@@ -61,8 +51,8 @@ ids = st.text(min_size=1, max_size=24) | st.sampled_from(["x" * 128, "\x00", "é
 
 @st.composite
 def servicebus_messages(draw: st.DrawFn) -> FuzzMessage:
-    body, huge = draw(bodies())
-    raise_text = draw(raise_texts())
+    body, huge = draw(fuzz.bodies())
+    raise_text = draw(fuzz.raise_texts())
     properties = draw(st.dictionaries(property_names, property_values, max_size=8) | many_properties)
     message_kwargs: dict[str, str] = {}
     for name in ("message_id", "correlation_id", "subject", "content_type"):
@@ -92,39 +82,39 @@ def sent_properties(message: FuzzMessage) -> dict[str | bytes, Any]:
     return properties
 
 
-class ServiceBusFuzzTarget:
-    """A queue and its $DeadLetterQueue, for the fuzzing property."""
+def make(
+    body: bytes | None,
+    *,
+    properties: Mapping[str, Any] | None = None,
+    message: Mapping[str, str] | None = None,
+    **fields: Any,
+) -> FuzzMessage:
+    """A plain message (``fuzz.MakeMessage``): no application properties, every id the SDK's."""
+    return FuzzMessage(body, extras={"properties": dict(properties or {}), "message": dict(message or {})}, **fields)
 
-    def __init__(self, adapter: ServiceBusAdapter, name: str, *, batch_size: int = 1) -> None:
-        self.adapter = adapter
-        self.name = name
-        self.batch_size = batch_size
-        self._sender: ServiceBusSender | None = None
 
-    def make_trigger(self, **kwargs: Any) -> Any:
-        return self.adapter.make_trigger(**kwargs)
+class ServiceBusFuzzTarget(fuzz.FuzzTargetBase[ServiceBusAdapter]):
+    """A queue and its $DeadLetterQueue, for the fuzzing property (and the hostile corpus)."""
 
-    async def publish(self, messages: Sequence[FuzzMessage]) -> None:
-        # One sender for the whole test (opening one costs about a second): messages one by one, in order.
+    _sender: ServiceBusSender | None = None
+
+    async def publish_one(self, message: FuzzMessage) -> None:
+        # One sender for the whole test (opening one costs about a second), closed by close().
         if self._sender is None:
             client = self.adapter.sb.client
             assert client is not None
             self._sender = client.get_queue_sender(self.adapter.queue)
             await self._sender.__aenter__()
-        for message in messages:
-            await self._sender.send_messages(
-                ServiceBusMessage(
-                    message.body, application_properties=sent_properties(message), **message.extras.get("message", {})
-                )
+        await self._sender.send_messages(
+            ServiceBusMessage(
+                message.body, application_properties=sent_properties(message), **message.extras.get("message", {})
             )
+        )
 
     async def close(self) -> None:
         sender, self._sender = self._sender, None
         if sender is not None:
             await sender.close()
-
-    async def unsettled(self) -> int:
-        return await self.adapter.unsettled()
 
     async def dead_letters(self) -> list[DeadRecord]:
         return [
@@ -134,9 +124,6 @@ class ServiceBusFuzzTarget:
 
     def expected_attributes(self, message: FuzzMessage) -> dict[str, str]:
         return {property_text(name): property_text(value) for name, value in sent_properties(message).items()}
-
-    def reason_may_be_missing(self, message: FuzzMessage) -> bool:
-        return False
 
     def check_dead_record(self, message: FuzzMessage, record: DeadRecord) -> None:
         assert record.attributes["reason"] == REJECTED_REASON, f"dead-letter reason {record.attributes['reason']!r}"
@@ -156,33 +143,16 @@ async def fuzz_targets(sb: ServiceBusEnv, sb_conn: str) -> AsyncIterator[list[Se
             await target.close()
 
 
-@pytest.fixture
-async def session(fuzz_targets: list[ServiceBusFuzzTarget]) -> AsyncIterator[FuzzSession]:
-    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-        yield FuzzSession.start(runner, fuzz_targets)
-
-
-def _plain(body: bytes, **fields: Any) -> FuzzMessage:
-    return FuzzMessage(body, extras={"properties": {}, "message": {}}, **fields)
-
-
-@pytest.mark.timeout(300)
-@FUZZ_SETTINGS
-@given(batch=batches(servicebus_messages()))
-@example(
-    batch=[
-        _plain(b"\x00\xff\xfe"),
-        _plain(b"[" * 500 + b"]" * 500),
-        _plain(b'{"v": NaN, "kind": "a"}', raise_text="nan"),
-        _plain(b'{"kind":"a","blob":"' + b"x" * HUGE_MIN_BYTES + b'"}', huge=True),
-        FuzzMessage(
+@fuzz.fuzz_test(
+    servicebus_messages(),
+    [
+        *fuzz.standard_examples(make),
+        make(
             b"",
-            extras={
-                "properties": {"nan": math.nan, "inf": -math.inf, "bin": "é".encode(), "none": None, "big": 2**31 - 1},
-                "message": {"message_id": "\x00" * 128, "subject": "é", "correlation_id": " "},
-            },
+            properties={"nan": math.nan, "inf": -math.inf, "bin": "é".encode(), "none": None, "big": 2**31 - 1},
+            message={"message_id": "\x00" * 128, "subject": "é", "correlation_id": " "},
         ),
-    ]
+    ],
 )
 async def test_fuzzed_input_is_delivered_or_dead_lettered(session: FuzzSession, batch: list[FuzzMessage]) -> None:
     await session.run(batch)

@@ -15,20 +15,14 @@ the dead-letter queue sees them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Final
+from typing import Final
 
 import pytest
 
-from tests.integration.fuzz import DeadRecord, FuzzMessage
-from tests.integration.hostile import (
-    HostileCase,
-    forged_attributes,
-    neutral_cases,
-    run_corpus_on,
-)
+from tests.integration.fuzz import DeadRecord
+from tests.integration.hostile import HostileCase, forged_attributes, neutral_cases, run_corpus_on
 from tests.integration.servicebus.conftest import body_of
-from tests.integration.servicebus.test_fuzz import REJECTED_REASON, ServiceBusFuzzTarget, fuzz_targets
+from tests.integration.servicebus.test_fuzz import REJECTED_REASON, ServiceBusFuzzTarget, fuzz_targets, make
 
 pytestmark = [pytest.mark.integration, pytest.mark.servicebus]
 
@@ -38,22 +32,8 @@ MESSAGE_LIMIT: Final = 4 * 1024 * 1024
 """The test broker's max_message_size (tests/servicebus_broker), announced on its links."""
 
 
-def make(
-    body: bytes | None,
-    *,
-    properties: Mapping[str, Any] | None = None,
-    message: Mapping[str, str] | None = None,
-    **fields: Any,
-) -> FuzzMessage:
-    return FuzzMessage(body, extras={"properties": dict(properties or {}), "message": dict(message or {})}, **fields)
-
-
 class ServiceBusHostileTarget(ServiceBusFuzzTarget):
     """The fuzz target, reading dead letters through the SDK (where a forged property would show)."""
-
-    @classmethod
-    def of(cls, target: ServiceBusFuzzTarget) -> ServiceBusHostileTarget:
-        return cls(target.adapter, target.name, batch_size=target.batch_size)
 
     async def dead_letters(self) -> list[DeadRecord]:
         peeked = await self.adapter.sb._peek(self.adapter.queue, dead_letter=True)

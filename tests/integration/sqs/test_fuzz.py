@@ -13,38 +13,24 @@ from __future__ import annotations
 
 import base64
 import string
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Final
 
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
-from hypothesis import example, given
 from hypothesis import strategies as st
 
 from devkit.runner import RunnerSim
+from tests.integration import fuzz
 from tests.integration.contract import wait_until_settled
-from tests.integration.fuzz import (
-    FUZZ_SETTINGS,
-    HUGE_MIN_BYTES,
-    MAX_PAYLOAD_BYTES,
-    RAISE_ATTRIBUTE,
-    DeadRecord,
-    FuzzMessage,
-    FuzzSession,
-    batches,
-    bodies,
-    expected_decoding,
-    filter_reason,
-    payload_size,
-    raise_texts,
-    settle_or_fail,
-)
+from tests.integration.fuzz import MAX_PAYLOAD_BYTES, RAISE_ATTRIBUTE, DeadRecord, FuzzMessage, FuzzSession, session
 from tests.integration.sqs.conftest import TRANSFER_ENCODING, SqsAdapter, create_queue_pair, original_bytes, sqs_body
 
 pytestmark = [pytest.mark.integration, pytest.mark.sqs]
 
+__all__ = ["session"]  # the fixture, shared by every broker's test_fuzz.py
+
 MAX_ATTRIBUTES: Final = 10
-DEAD_LETTER_PREFIX: Final = "x-dead-letter-"
 GROUP_ID_ALPHABET: Final = string.ascii_letters + string.digits + string.punctuation
 
 
@@ -70,7 +56,7 @@ def valid_attribute_name(name: str) -> bool:
         and not name.endswith(".")
         and not lowered.startswith(("aws.", "amazon."))
         # Not generated: on SQS an original x-dead-letter-* attribute wins over the producer's.
-        and not lowered.startswith(DEAD_LETTER_PREFIX)
+        and not lowered.startswith(fuzz.DEAD_LETTER_PREFIX)
         and lowered not in (RAISE_ATTRIBUTE, TRANSFER_ENCODING)
     )
 
@@ -122,18 +108,17 @@ def wire_attributes(message: FuzzMessage) -> dict[str, dict[str, Any]]:
 
 def sqs_known_bug(message: FuzzMessage) -> str | None:
     """SQS-only exclusions (see tests/integration/fuzz.py known_bug): each has its xfail reproduction."""
-    if message.raise_text is not None:
-        _, body = expected_decoding(message.body)
-        if not valid_sqs_text(filter_reason(message.raise_text, body)[:1024]):
-            # test_a_reason_with_characters_sqs_refuses_is_made_sendable
-            return "dead-letter reason with characters SQS refuses in an attribute value"
+    reason = fuzz.marked_reason(message)
+    if reason is not None and not valid_sqs_text(reason[:1024]):
+        # test_a_reason_with_characters_sqs_refuses_is_made_sendable
+        return "dead-letter reason with characters SQS refuses in an attribute value"
     return None
 
 
 @st.composite
 def sqs_messages(draw: st.DrawFn, *, fifo: bool = False) -> FuzzMessage:
-    body, huge = draw(bodies())
-    raise_text = draw(raise_texts(SQS_CHARS))
+    body, huge = draw(fuzz.bodies())
+    raise_text = draw(fuzz.raise_texts(SQS_CHARS))
     room = MAX_ATTRIBUTES - (raise_text is not None) - needs_transfer_encoding(body)
     attributes = draw(st.dictionaries(attribute_names, attribute_values, max_size=room))
     extras: dict[str, Any] = {"attributes": attributes}
@@ -144,30 +129,28 @@ def sqs_messages(draw: st.DrawFn, *, fifo: bool = False) -> FuzzMessage:
     return FuzzMessage(body, raise_text, huge, extras)
 
 
-class SqsFuzzTarget:
-    """A queue (standard or FIFO) and its DLQ, for the fuzzing property."""
+def make(
+    body: bytes | None, *, attributes: Mapping[str, Mapping[str, Any]] | None = None, **fields: Any
+) -> FuzzMessage:
+    """A plain message (``fuzz.MakeMessage``): no message attributes, the target's default group id."""
+    return FuzzMessage(body, extras={"attributes": dict(attributes or {})}, **fields)
+
+
+class SqsFuzzTarget(fuzz.FuzzTargetBase[SqsAdapter]):
+    """A queue (standard or FIFO) and its DLQ, for the fuzzing property (and the hostile corpus)."""
 
     def __init__(self, adapter: SqsAdapter, name: str, *, batch_size: int = 1, fifo: bool = False) -> None:
-        self.adapter = adapter
-        self.name = name
-        self.batch_size = batch_size
+        super().__init__(adapter, name, batch_size=batch_size)
         self.fifo = fifo
         self._dead: dict[str, dict[str, Any]] = {}
 
-    def make_trigger(self, **kwargs: Any) -> Any:
-        return self.adapter.make_trigger(**kwargs)
-
-    async def publish(self, messages: Sequence[FuzzMessage]) -> None:
-        for message in messages:
-            assert message.body is not None
-            await self.adapter.publish(
-                [message.body],
-                message_attributes=wire_attributes(message),
-                group_id=message.extras.get("group_id", "fuzz") if self.fifo else None,
-            )
-
-    async def unsettled(self) -> int:
-        return await self.adapter.unsettled()
+    async def publish_one(self, message: FuzzMessage) -> None:
+        assert message.body is not None
+        await self.adapter.publish(
+            [message.body],
+            message_attributes=wire_attributes(message),
+            group_id=message.extras.get("group_id", "fuzz") if self.fifo else None,
+        )
 
     async def dead_letters(self) -> list[DeadRecord]:
         """
@@ -196,7 +179,7 @@ class SqsFuzzTarget:
         records = []
         for raw in self._dead.values():
             attributes = raw.get("MessageAttributes") or {}
-            reason = attributes.get(DEAD_LETTER_PREFIX + "reason", {}).get("StringValue")
+            reason = attributes.get(fuzz.DEAD_LETTER_REASON, {}).get("StringValue")
             records.append(DeadRecord(raw["MessageId"], original_bytes(raw), reason, attributes))
         return records
 
@@ -241,27 +224,8 @@ async def fuzz_targets(sqs_client: Any, sqs_connection: str) -> AsyncIterator[li
             await sqs_client.delete_queue(QueueUrl=url)
 
 
-@pytest.fixture
-async def session(fuzz_targets: list[SqsFuzzTarget]) -> AsyncIterator[FuzzSession]:
-    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
-        yield FuzzSession.start(runner, fuzz_targets)
-
-
-def _plain(body: bytes, **fields: Any) -> FuzzMessage:
-    return FuzzMessage(body, extras={"attributes": {}}, **fields)
-
-
-@pytest.mark.timeout(300)
-@FUZZ_SETTINGS
-@given(batch=batches(sqs_messages(fifo=True).filter(lambda m: sqs_known_bug(m) is None)))
-@example(
-    batch=[
-        _plain(b""),
-        _plain(b"\x00\xff\xfe"),
-        _plain(b"[" * 500 + b"]" * 500),
-        _plain(b'{"v": NaN, "kind": "a"}', raise_text="nan"),
-        _plain(b'{"kind":"a","blob":"' + b"x" * HUGE_MIN_BYTES + b'"}', huge=True),
-    ]
+@fuzz.fuzz_test(
+    sqs_messages(fifo=True).filter(lambda m: sqs_known_bug(m) is None), [make(b""), *fuzz.standard_examples(make)]
 )
 async def test_fuzzed_input_is_delivered_or_dead_lettered(session: FuzzSession, batch: list[FuzzMessage]) -> None:
     await session.run(batch)
@@ -275,7 +239,7 @@ async def test_invalid_utf8_inside_a_json_string_does_not_crash_the_stream(adapt
     await adapter.publish([b'["\xff"]', b"after"])
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger())
-        await settle_or_fail(runner, adapter.unsettled)
+        await fuzz.settle_or_fail(runner, adapter.unsettled)
         assert not runner.failures, f"the stream crashed: {runner.failures!r}"
         assert await adapter.unsettled() == 0
     assert sorted(p["body_encoding"] for p in runner.persisted[1]) == ["base64", "text"]
@@ -288,7 +252,7 @@ async def test_deeply_nested_json_does_not_crash_the_stream(adapter: SqsAdapter)
     await adapter.publish([b"[" * 5000 + b"]" * 5000])
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger())
-        await settle_or_fail(runner, adapter.unsettled)
+        await fuzz.settle_or_fail(runner, adapter.unsettled)
         assert not runner.failures, f"the stream crashed: {runner.failures!r}"
         assert await adapter.unsettled() == 0
     assert [p["body_encoding"] for p in runner.persisted[1]] in (["text"], ["json"])
@@ -302,23 +266,23 @@ async def test_a_batch_of_one_envelope_near_the_cap_stays_under_it(adapter: SqsA
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger(**options))
         await adapter.publish([b"x"])
-        await settle_or_fail(runner, adapter.unsettled)
+        await fuzz.settle_or_fail(runner, adapter.unsettled)
         probe = runner.persisted[1][0]["messages"][0]
         # Timestamps drop ".fff000" when their milliseconds are 0: count the probe's at full length.
         stamps = (probe["published_at"], probe["metadata"].get("first_received_at"))
-        probe_size = payload_size(probe) + sum(7 for stamp in stamps if stamp and "." not in stamp)
+        probe_size = fuzz.payload_size(probe) + sum(7 for stamp in stamps if stamp and "." not in stamp)
         # The same envelope with a longer body: 4 bytes under the cap (every other field keeps its size).
         near_cap = b"x" * (1 + MAX_PAYLOAD_BYTES - 4 - probe_size)
         await adapter.publish([near_cap])
         # Alone in a batch it would be over the cap ({"messages":[...]} adds 15 bytes): in batch mode
         # an envelope is capped at max_payload_bytes less that wrapper, so this one is dead-lettered
         # as oversize (intact), and no event payload over the cap is ever stored.
-        await settle_or_fail(runner, adapter.unsettled)
+        await fuzz.settle_or_fail(runner, adapter.unsettled)
         assert not runner.failures
     assert runner.count(1) == 1, "the near-cap message must not fire a batch over the cap"
     assert await adapter.dead_lettered() == [near_cap]
     for payload in runner.persisted[1]:
-        size = payload_size(payload)
+        size = fuzz.payload_size(payload)
         assert size <= MAX_PAYLOAD_BYTES, f"batch payload of {size} bytes, cap {MAX_PAYLOAD_BYTES}"
 
 
@@ -330,7 +294,7 @@ async def test_a_reason_with_characters_sqs_refuses_is_made_sendable(adapter: Sq
     await adapter.publish([b"a\x00b"], message_attributes=marked)  # sent as base64 (NUL is no SQS text)
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, adapter.make_trigger(filter_function="tests.integration.fuzz.raise_on_marked"))
-        await settle_or_fail(runner, adapter.unsettled)
+        await fuzz.settle_or_fail(runner, adapter.unsettled)
         assert not runner.failures
     [dead] = await adapter.dead_letter_messages()
     for name, value in dead["MessageAttributes"].items():

@@ -12,20 +12,13 @@ forged ``x-dead-letter-*`` attributes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Final
+from typing import Final
 
 import pytest
 
-from tests.integration.fuzz import DeadRecord, FuzzMessage
-from tests.integration.hostile import (
-    DEAD_LETTER_PREFIX,
-    HostileCase,
-    forged_attributes,
-    neutral_cases,
-    run_corpus_on,
-)
-from tests.integration.sqs.test_fuzz import SqsFuzzTarget, fuzz_targets
+from tests.integration.fuzz import DEAD_LETTER_REASON, DeadRecord
+from tests.integration.hostile import HostileCase, forged_attributes, neutral_cases, run_corpus_on
+from tests.integration.sqs.test_fuzz import SqsFuzzTarget, fuzz_targets, make
 
 pytestmark = [pytest.mark.integration, pytest.mark.sqs]
 
@@ -33,12 +26,6 @@ __all__ = ["fuzz_targets"]  # the fixture, shared with test_fuzz.py
 
 MAX_MESSAGE_BYTES: Final = 256 * 1024
 """SQS's limit on a message: body plus attribute names, types and values."""
-
-
-def make(
-    body: bytes | None, *, attributes: Mapping[str, Mapping[str, Any]] | None = None, **fields: Any
-) -> FuzzMessage:
-    return FuzzMessage(body, extras={"attributes": dict(attributes or {})}, **fields)
 
 
 def string(value: str) -> dict[str, str]:
@@ -82,9 +69,7 @@ def sqs_cases() -> list[HostileCase]:
 
 def reasons_of(record: DeadRecord) -> list[str]:
     return [
-        str(value.get("StringValue"))
-        for name, value in record.attributes.items()
-        if name.lower() == DEAD_LETTER_PREFIX + "reason"
+        str(value.get("StringValue")) for name, value in record.attributes.items() if name.lower() == DEAD_LETTER_REASON
     ]
 
 
