@@ -461,6 +461,42 @@ def pipeline_hops(topology: ProductionTopology, broker: str) -> dict[str, Hops]:
     return hops
 
 
+ACCESS_LINE: Final = re.compile(
+    r"^(?P<at>\S+)Z .*duration_us=(?P<us>\d+) .*path=/execution/asset-events/by-asset query='(?P<query>[^']*)'"
+)
+
+
+def pipeline_event_reads(topology: ProductionTopology, broker: str) -> dict[str, Any]:
+    """
+    The pipeline's reads of its source's events (``inlet_events``, the api-server's access log):
+    how many read the whole history (no ``after``) and how many since the progress mark, their
+    slowest, and the whole-history reads that finished after the first successful run ended,
+    when the mark was set (example_dags/orders_spark.py ``record_progress``): 0, or every run
+    re-reads a history that only grows.
+    """
+    stream = topology.streams[broker]
+    asset = stream.watcher_name("kafka_orders_valid")
+    log = topology.env.airflow_home / "process-logs" / "api-server.log"
+    rows = topology.env.query_db(
+        "SELECT min(end_date) FROM dag_run WHERE dag_id = ? AND state = 'success'", (stream.spark_dag,)
+    )
+    first_success_end = to_epoch(rows[0][0]) if rows else None
+    whole, since_mark, late_whole, slowest = 0, 0, 0, 0.0
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else ():
+        match = ACCESS_LINE.match(line)
+        if match is None or f"name={asset}&" not in match["query"] + "&":
+            continue
+        slowest = max(slowest, int(match["us"]) / 1e6)
+        if "after=" in match["query"]:
+            since_mark += 1
+            continue
+        whole += 1
+        finished = datetime.fromisoformat(match["at"]).replace(tzinfo=timezone.utc).timestamp()
+        if first_success_end is not None and finished > first_success_end:
+            late_whole += 1
+    return {"whole_history": whole, "since_mark": since_mark, "whole_after_mark": late_whole, "slowest_s": slowest}
+
+
 def pipeline_run_stats(topology: ProductionTopology, broker: str) -> tuple[int, int]:
     """(runs of the pipeline, most asset events one run was created for): the scheduler's merging."""
     stream = topology.streams[broker]
@@ -565,6 +601,7 @@ class BrokerCheck:
     runs: int
     events_per_run_max: int
     publish_errors: int
+    event_reads: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -576,6 +613,7 @@ class BrokerCheck:
             and self.dead_lettered >= self.malformed
             and self.settled_ok
             and self.publish_errors == 0
+            and not self.event_reads.get("whole_after_mark")
         )
 
 
@@ -835,6 +873,8 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
                 if args.pipeline
                 else {}
             )
+            for broker, check in checks.items():  # once, at the end: it reads the api-server's whole log
+                check.event_reads = pipeline_event_reads(topology, broker)
             result["checks"] = {b: {**vars(c), "ok": c.ok} for b, c in checks.items()}
             result["latency"] = (
                 {b: latency(topology, b, publishers[b], started) for b in brokers} if args.pipeline else {}

@@ -124,6 +124,40 @@ def test_the_catch_up_reads_from_the_previous_success_minus_the_margin() -> None
     assert proxied.after_value == (previous - CATCH_UP_MARGIN).isoformat()
 
 
+def test_the_progress_mark_is_where_the_next_run_reads_from() -> None:
+    """
+    Airflow's ``prev_start_date_success`` is None for every asset-triggered run (it is looked up
+    by logical date), so the pipeline keeps its own mark: an Airflow Variable written by
+    ``record_progress`` after the batch is written, read by ``extract``.
+    """
+    from datetime import datetime, timezone
+
+    from orders_spark import parse_progress, progress_key
+
+    assert progress_key("kafka_pipeline") == "orders_pipeline.kafka_pipeline.processed_through"
+    mark = datetime(2026, 11, 27, 1, 0, tzinfo=timezone.utc)
+    assert parse_progress(mark.isoformat()) == mark
+    assert parse_progress("2026-11-27T01:00:00") == mark  # naive: UTC, as Airflow stores times
+    for unset in (None, "", "not a time", 42):
+        assert parse_progress(unset) is None  # read everything: never skip events on a bad mark
+
+
+def test_the_mark_moves_only_after_the_batch_is_written_or_empty() -> None:
+    """record_progress follows aggregate, and runs when has_orders skipped it, not when it failed."""
+    from airflow.sdk import Asset
+    from orders_spark import build_orders_spark_pipeline
+
+    dag = build_orders_spark_pipeline(dag_id="orders_progress_test", source=Asset("orders_progress"), dataset="t")
+    if dag is None:
+        pytest.skip("the Spark provider is not installed")
+    record = dag.get_task("record_progress")
+    assert record.upstream_task_ids == {"aggregate"}
+    assert record.trigger_rule == "none_failed"
+    has_orders = dag.get_task("has_orders")
+    assert has_orders.downstream_task_ids == {"aggregate"}
+    assert has_orders.ignore_downstream_trigger_rules is False  # skips aggregate only, not record_progress
+
+
 def test_batches_are_idempotent_and_never_double_count(spark: Any, tmp_path: Path) -> None:
     from orders_spark import order_rows, write_order_batch
 
