@@ -191,10 +191,13 @@ def pubsub_emulator_launcher() -> Path:
     )
 
 
-def start_pubsub_emulator(*, timeout: float = 90.0) -> BrokerProcess:
-    """Start Google's official Pub/Sub emulator on a free loopback port."""
+def start_pubsub_emulator(*, port: int | None = None, timeout: float = 90.0) -> BrokerProcess:
+    """
+    Start Google's official Pub/Sub emulator on ``port`` (default: a free loopback port; a fixed
+    one to start it again where its clients, or a fault proxy, expect it).
+    """
     launcher = pubsub_emulator_launcher()
-    port = free_port()
+    port = free_port() if port is None else port
     data_dir = tempfile.mkdtemp(prefix="pubsub-emulator-")
     log_path = Path(tempfile.mkstemp(prefix="pubsub-emulator-", suffix=".log")[1])
     proc = _spawn(

@@ -18,6 +18,11 @@ resumed by itself or only after the failed watchers were re-created (the trigger
 simulated), what was lost per watcher, the duplicates per watcher, whether the broker settled, and
 how many connections the proxy saw. :func:`assert_one_clear_error` checks that a stream that
 cannot connect fails with one error and a bounded number of connection attempts.
+
+What the broker modules share lives here too, so that each keeps only what is its own: a
+:class:`FaultTargetBase` subclass (how it publishes, what it expects, how it restarts), its
+fixtures, and tests decorated with :func:`fault_variants` or :func:`long_fault_variants`. A module
+imports the ``_slow_opt_in`` and ``print_fault_reports`` fixtures from here.
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ import random
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
@@ -60,6 +65,13 @@ ERROR_TIMEOUT = 30.0
 """How long a stream that cannot connect may take to say so (SQS: botocore's jittered retries)."""
 MAX_CONNECT_ATTEMPTS = 6
 """A bounded number of attempts: a hot retry loop makes hundreds in CONNECT_WINDOW."""
+PUBLISH_RETRY_PAUSE = 0.2
+"""A publish that failed through a fault is tried again this much later."""
+LONG_FAULT_TIMEOUT = 240
+"""Seconds for a long variant's test (the module default of 120 s is for the fast ones)."""
+
+T = TypeVar("T")
+TestT = TypeVar("TestT", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,28 @@ def _slow_opt_in(request: pytest.FixtureRequest) -> None:
         pytest.skip("long fault variant: run with -m slow or BROKER_FAULTS_SLOW=1")
 
 
+def fault_variants(test: TestT) -> TestT:
+    """One test per fast fault plan (:data:`FAULTS`), given as its ``fault`` argument."""
+    return pytest.mark.parametrize("fault", FAULTS, ids=str)(test)
+
+
+def long_fault_variants(test: TestT) -> TestT:
+    """
+    One test per long fault plan (:data:`SLOW_FAULTS`), given as its ``fault`` argument: marked
+    ``slow``, skipped unless asked for (the module imports ``_slow_opt_in``), with a longer timeout.
+    """
+    test = pytest.mark.parametrize("fault", SLOW_FAULTS, ids=str)(test)
+    test = pytest.mark.timeout(LONG_FAULT_TIMEOUT)(test)
+    test = pytest.mark.usefixtures("_slow_opt_in")(test)
+    return pytest.mark.slow(test)
+
+
+def set_connection(monkeypatch: pytest.MonkeyPatch, conn_id: str, connection: dict[str, Any]) -> str:
+    """Airflow's ``AIRFLOW_CONN_<ID>`` for this test only; returns ``conn_id`` for the trigger's options."""
+    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(connection))
+    return conn_id
+
+
 def order(index: int) -> bytes:
     return json.dumps({"order_id": index, "region": REGIONS[index % len(REGIONS)]}).encode()
 
@@ -137,6 +171,61 @@ class FaultTarget(Protocol):
         """Anything the report line should say about this run (for instance what the broker kept)."""
 
     async def close(self) -> None: ...
+
+
+class FaultTargetBase:
+    """
+    A :class:`FaultTarget` less what only its broker knows (how it publishes and restarts, its
+    triggers, what it holds and whether it settled): the counters the report reads, the ids the
+    broker acknowledged, publishing retried through a fault, the usual message identity and the
+    report's note on what a restart kept.
+    """
+
+    broker: str
+    kept_on_restart = ""
+    """What the report line says the broker kept through a restart (said only after one)."""
+
+    def __init__(self, proxy: FaultProxy) -> None:
+        self.proxy = proxy
+        self.publish_retries = 0
+        self.broker_forgot = 0
+        self.restarts = 0
+        self.sent: set[str] = set()
+        """The ids of the messages the broker acknowledged, as :meth:`identity` gives them."""
+
+    async def publish_retrying(
+        self,
+        send: Callable[[], Awaitable[T]],
+        retry_on: tuple[type[BaseException], ...],
+        *,
+        before_retry: Callable[[], Awaitable[None]] | None = None,
+    ) -> T:
+        """
+        ``send()`` until the broker acknowledges it: through a fault (or a restart) it fails with
+        one of ``retry_on``, is counted in ``publish_retries``, and is tried again a moment later,
+        after ``before_retry`` (dropping a client the fault broke). The scenario needs every
+        message published: what is lost must be the consumer's doing.
+        """
+        while True:
+            try:
+                return await send()
+            except retry_on:
+                self.publish_retries += 1
+                if before_retry is not None:
+                    await before_retry()
+                await asyncio.sleep(PUBLISH_RETRY_PAUSE)
+
+    async def expected_ids(self) -> set[str]:
+        return set(self.sent)
+
+    def identity(self, payload: dict[str, Any]) -> str:
+        return str(payload["message_id"])
+
+    def note(self) -> str:
+        return self.kept_on_restart if self.restarts else ""
+
+    async def close(self) -> None:
+        """Nothing to release unless the publisher keeps a connection open."""
 
 
 @dataclass
@@ -322,6 +411,7 @@ async def run_fault(target: FaultTarget, fault: Fault) -> FaultReport:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            target.proxy.heal()  # whatever failed: the test's cleanup and the next test get a passing proxy
     report.publish_retries = target.publish_retries
     report.note = target.note()
     report.connections = target.proxy.accepted - connections_before
@@ -342,7 +432,26 @@ def assert_nothing_lost(report: FaultReport) -> None:
     assert report.unsettled == 0, f"the broker did not settle: {report.line()}"
 
 
+async def assert_fault_loses_nothing(target: FaultTarget, fault: Fault) -> FaultReport:
+    """
+    The property every broker's fault test checks (:func:`run_fault`, then :func:`assert_nothing_lost`);
+    the report, for the checks of the broker's own.
+    """
+    report = await run_fault(target, fault)
+    assert_nothing_lost(report)
+    return report
+
+
+@contextlib.contextmanager
+def unreachable(port: int) -> Iterator[FaultProxy]:
+    """An endpoint that is down: a proxy (to ``port``) refusing every connection, counting the attempts."""
+    with FaultProxy(port) as dead:
+        dead.refuse(float("inf"))
+        yield dead
+
+
 async def assert_one_clear_error(
+    name: str,
     proxy: FaultProxy,
     make_trigger: Callable[[], SharedStreamTrigger],
     *,
@@ -350,11 +459,11 @@ async def assert_one_clear_error(
     error_type: type[BaseException] | None = None,
     error_timeout: float = ERROR_TIMEOUT,
     max_attempts: int = MAX_CONNECT_ATTEMPTS,
-) -> tuple[int, float, str]:
+) -> None:
     """
     Watchers of a stream that cannot connect all fail with one error, within ERROR_TIMEOUT; the
-    connection attempts, counted until then and for at least CONNECT_WINDOW, stay bounded.
-    Returns (attempts, seconds until the error, the error).
+    connection attempts, counted until then and for at least CONNECT_WINDOW, stay bounded. Prints
+    the ``FAULT <name>: ...`` line (attempts, seconds until the error, the error).
     """
     before = proxy.accepted
     started = time.monotonic()
@@ -379,4 +488,4 @@ async def assert_one_clear_error(
     for text in mentions:
         assert text in error, f"the error does not say {text!r}: {error}"
     assert 1 <= attempts <= max_attempts, f"{attempts} connection attempts in {failed_after:.1f}s"
-    return attempts, failed_after, error
+    print(f"FAULT {name}: one error after {failed_after:.1f}s and {attempts} connection attempt(s): {error}")

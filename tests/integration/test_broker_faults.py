@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -69,20 +68,8 @@ from airflow_shared_stream_provider.producers.kafka_config import DEFAULT_RETRY_
 from devkit.brokers import BrokerProcess, start_kafka, start_moto, stop_moto
 from devkit.ports import free_port
 from tests.faultproxy import FaultProxy
-from tests.integration.faults_harness import (
-    FAULT_SECONDS,
-    FAULTS,
-    RESTART,
-    SLOW_FAULTS,
-    Fault,
-    FaultReport,
-    _slow_opt_in,
-    assert_nothing_lost,
-    assert_one_clear_error,
-    order,
-    print_fault_reports,
-    run_fault,
-)
+from tests.integration import faults_harness as harness
+from tests.integration.faults_harness import _slow_opt_in, print_fault_reports
 from tests.integration.kafka.conftest import KafkaAdapter, create_topics
 from tests.integration.sqs.conftest import SqsAdapter, create_queue_pair
 
@@ -100,15 +87,30 @@ class KafkaFaults:
     """Starts the broker again on the same port with the same data; None: it keeps none (memory)."""
 
 
-@pytest.fixture(scope="module")
-def kafka_faults() -> Iterator[KafkaFaults]:
+@contextlib.contextmanager
+def tansu_behind_proxy(**storage: Any) -> Iterator[KafkaFaults]:
+    """
+    A Tansu behind a proxy that it advertises, so that every client goes through the proxy.
+    ``storage``: ``start_kafka``'s ``storage`` and ``env`` for one that keeps its data (and can be
+    restarted); none: in memory.
+    """
     listen_port = free_port()
     with FaultProxy(listen_port) as proxy:
-        broker = start_kafka(port=listen_port, advertised_port=proxy.port)
+
+        def start() -> BrokerProcess:
+            return start_kafka(port=listen_port, advertised_port=proxy.port, **storage)
+
+        faults = KafkaFaults(proxy, start(), start if storage else None)
         try:
-            yield KafkaFaults(proxy, broker)
+            yield faults
         finally:
-            broker.stop()
+            faults.broker.stop()  # the current process: a restart replaced it
+
+
+@pytest.fixture(scope="module")
+def kafka_faults() -> Iterator[KafkaFaults]:
+    with tansu_behind_proxy() as faults:
+        yield faults
 
 
 @pytest.fixture(scope="module")
@@ -127,54 +129,38 @@ def kafka_s3_faults() -> Iterator[KafkaFaults]:
             "AWS_SECRET_ACCESS_KEY": "x",
             "AWS_DEFAULT_REGION": "us-east-1",
         }
-        listen_port = free_port()
-        with FaultProxy(listen_port) as proxy:
-
-            def start() -> BrokerProcess:
-                return start_kafka(port=listen_port, advertised_port=proxy.port, storage="s3://tansu/", env=env)
-
-            faults = KafkaFaults(proxy, start(), start)
-            try:
-                yield faults
-            finally:
-                faults.broker.stop()
+        with tansu_behind_proxy(storage="s3://tansu/", env=env) as faults:
+            yield faults
     finally:
         stop_moto(store)
 
 
-class KafkaTarget:
+class KafkaTarget(harness.FaultTargetBase):
     broker = "kafka"
+    kept_on_restart = "Tansu kept its topics, records and committed offsets (S3 storage on moto)"
 
     def __init__(self, faults: KafkaFaults, adapter: KafkaAdapter) -> None:
+        super().__init__(faults.proxy)
         self.faults = faults
-        self.proxy = faults.proxy
         self.adapter = adapter
-        self.publish_retries = 0
-        self.broker_forgot = 0
-        self.restarts = 0
         self._producer: AIOKafkaProducer | None = None
 
     def make_trigger(self, **kwargs: Any) -> SharedStreamTrigger:
         return self.adapter.make_trigger(**kwargs)
 
     async def publish(self, index: int) -> None:
-        partition = index % self.adapter.partitions
-        while True:
-            try:
-                if self._producer is None:
-                    producer = AIOKafkaProducer(
-                        bootstrap_servers=self.adapter.bootstrap, acks="all", retry_backoff_ms=1000
-                    )
-                    await asyncio.wait_for(producer.start(), timeout=10)
-                    self._producer = producer
-                await asyncio.wait_for(
-                    self._producer.send_and_wait(self.adapter.topic, order(index), partition=partition), timeout=15
-                )
-                return
-            except (KafkaError, asyncio.TimeoutError, TimeoutError, OSError):
-                self.publish_retries += 1
-                await self._drop_producer()
-                await asyncio.sleep(0.2)
+        async def send() -> None:
+            if self._producer is None:
+                producer = AIOKafkaProducer(bootstrap_servers=self.adapter.bootstrap, acks="all", retry_backoff_ms=1000)
+                await asyncio.wait_for(producer.start(), timeout=10)
+                self._producer = producer
+            partition = index % self.adapter.partitions
+            await asyncio.wait_for(
+                self._producer.send_and_wait(self.adapter.topic, harness.order(index), partition=partition), timeout=15
+            )
+
+        retry_on = (KafkaError, asyncio.TimeoutError, TimeoutError, OSError)
+        await self.publish_retrying(send, retry_on, before_retry=self._drop_producer)
 
     async def _drop_producer(self) -> None:
         producer, self._producer = self._producer, None
@@ -215,9 +201,6 @@ class KafkaTarget:
         finally:
             await consumer.stop()
 
-    def identity(self, payload: dict[str, Any]) -> str:
-        return str(payload["message_id"])
-
     async def restart(self, down: float) -> None:
         """Stop Tansu, start it again on the same port after ``down`` s (it keeps its data in S3)."""
         faults = self.faults
@@ -229,22 +212,17 @@ class KafkaTarget:
         faults.broker = await asyncio.to_thread(faults.start_broker)
         self.restarts += 1
 
-    def note(self) -> str:
-        return "Tansu kept its topics, records and committed offsets (S3 storage on moto)" if self.restarts else ""
-
     async def close(self) -> None:
         await self._drop_producer()
 
 
 def kafka_connection(monkeypatch: pytest.MonkeyPatch, conn_id: str, bootstrap: str) -> str:
     extra = {"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest", "session.timeout.ms": 10000}
-    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps({"conn_type": "kafka", "extra": extra}))
-    return conn_id
+    return harness.set_connection(monkeypatch, conn_id, {"conn_type": "kafka", "extra": extra})
 
 
 @contextlib.asynccontextmanager
 async def open_kafka_target(faults: KafkaFaults, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KafkaTarget]:
-    faults.proxy.heal()
     bootstrap = faults.proxy.address
     adapter = KafkaAdapter(bootstrap, kafka_connection(monkeypatch, "kafka_faults", bootstrap))
     await create_topics(bootstrap, adapter.topic, partitions=adapter.partitions)
@@ -253,7 +231,6 @@ async def open_kafka_target(faults: KafkaFaults, monkeypatch: pytest.MonkeyPatch
     try:
         yield target
     finally:
-        faults.proxy.heal()
         await target.close()
 
 
@@ -270,18 +247,16 @@ async def kafka_s3_target(kafka_s3_faults: KafkaFaults, monkeypatch: pytest.Monk
 
 
 @pytest.mark.kafka
-@pytest.mark.parametrize("fault", FAULTS, ids=str)
-async def test_kafka_resumes_after_fault_and_loses_nothing(kafka_target: KafkaTarget, fault: Fault) -> None:
-    report = await run_fault(kafka_target, fault)
-    assert_nothing_lost(report)
+@harness.fault_variants
+async def test_kafka_resumes_after_fault_and_loses_nothing(kafka_target: KafkaTarget, fault: harness.Fault) -> None:
+    report = await harness.assert_fault_loses_nothing(kafka_target, fault)
     assert_reconnects_bounded(report, fault)
 
 
 @pytest.mark.kafka
 @pytest.mark.timeout(180)
 async def test_kafka_broker_restart_keeps_its_data_and_loses_nothing(kafka_s3_target: KafkaTarget) -> None:
-    report = await run_fault(kafka_s3_target, RESTART)
-    assert_nothing_lost(report)
+    await harness.assert_fault_loses_nothing(kafka_s3_target, harness.RESTART)
     assert kafka_s3_target.restarts == 1
 
 
@@ -293,7 +268,7 @@ the provider's default (1 s, ``kafka_config.DEFAULT_RETRY_BACKOFF_MS``) 6/s (30 
 """
 
 
-def assert_reconnects_bounded(report: FaultReport, fault: Fault) -> None:
+def assert_reconnects_bounded(report: harness.FaultReport, fault: harness.Fault) -> None:
     """Regression: a refusing broker is not hammered (no reconnect every 100 ms)."""
     if fault.kind != "refuse":
         return
@@ -311,13 +286,9 @@ def test_kafka_retry_backoff_defaults_to_one_second_unless_the_connection_sets_i
 
 
 @pytest.mark.kafka
-@pytest.mark.slow
-@pytest.mark.usefixtures("_slow_opt_in")
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault", SLOW_FAULTS, ids=str)
-async def test_kafka_long_faults(kafka_target: KafkaTarget, fault: Fault) -> None:
-    report = await run_fault(kafka_target, fault)
-    assert_nothing_lost(report)
+@harness.long_fault_variants
+async def test_kafka_long_faults(kafka_target: KafkaTarget, fault: harness.Fault) -> None:
+    report = await harness.assert_fault_loses_nothing(kafka_target, fault)
     assert_reconnects_bounded(report, fault)
 
 
@@ -326,14 +297,15 @@ async def test_kafka_unreachable_gives_one_clear_error(
     kafka_faults: KafkaFaults, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     listen_port = int(kafka_faults.broker.address.rsplit(":", 1)[1])
-    with FaultProxy(listen_port) as dead:
-        dead.refuse(float("inf"))
+    with harness.unreachable(listen_port) as dead:
         conn_id = kafka_connection(monkeypatch, "kafka_faults_dead", dead.address)
         adapter = KafkaAdapter(dead.address, conn_id)
-        attempts, after, error = await assert_one_clear_error(
-            dead, adapter.make_trigger, mentions=("cannot reach Kafka", dead.address, conn_id)
+        await harness.assert_one_clear_error(
+            "kafka/unreachable",
+            dead,
+            adapter.make_trigger,
+            mentions=("cannot reach Kafka", dead.address, conn_id),
         )
-    print(f"FAULT kafka/unreachable: one error after {after:.1f}s and {attempts} connection attempt(s): {error}")
 
 
 # -- SQS: moto behind the proxy ------------------------------------------------------------------
@@ -377,46 +349,46 @@ def sqs_connection(
     extra: dict[str, Any] = {"region_name": REGION, "endpoint_url": endpoint}
     if config_kwargs:
         extra["config_kwargs"] = config_kwargs
-    conn = {"conn_type": "aws", "login": "testing", "password": secret, "extra": extra}
-    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(conn))
-    return conn_id
+    return harness.set_connection(
+        monkeypatch, conn_id, {"conn_type": "aws", "login": "testing", "password": secret, "extra": extra}
+    )
 
 
-class SqsTarget:
+@contextlib.asynccontextmanager
+async def queue_pair(client: Any) -> AsyncIterator[tuple[str, str]]:
+    """A fresh queue (visibility timeout 30 s) and its dead-letter queue, deleted after the test."""
+    queue_url, dlq_url = await create_queue_pair(client, visibility=30)
+    try:
+        yield queue_url, dlq_url
+    finally:
+        for url in (queue_url, dlq_url):
+            await client.delete_queue(QueueUrl=url)
+
+
+class SqsTarget(harness.FaultTargetBase):
     broker = "sqs"
+    kept_on_restart = "moto kept its queues, messages and receipt handles (in-process backend)"
 
     def __init__(self, faults: SqsFaults, adapter: SqsAdapter) -> None:
+        super().__init__(faults.proxy)
         self.faults = faults
-        self.proxy = faults.proxy
         self.adapter = adapter
-        self.sent: set[str] = set()
-        self.publish_retries = 0  # straight to moto: retried only while moto restarts
-        self.broker_forgot = 0
-        self.restarts = 0
 
     def make_trigger(self, **kwargs: Any) -> SharedStreamTrigger:
         return self.adapter.make_trigger(**kwargs)
 
     async def publish(self, index: int) -> None:
-        body = order(index).decode()
-        while True:
-            try:
-                response = await self.adapter.client.send_message(QueueUrl=self.adapter.queue_url, MessageBody=body)
-                break
-            except (BotoCoreError, ClientError):
-                # moto restarting; SQS may have stored a send whose answer was lost: read back below
-                self.publish_retries += 1
-                await asyncio.sleep(0.2)
+        body = harness.order(index).decode()
+        # Straight to moto: it fails only while moto restarts (SQS may have stored a send whose
+        # answer was lost: only acknowledged ids are expected).
+        response = await self.publish_retrying(
+            lambda: self.adapter.client.send_message(QueueUrl=self.adapter.queue_url, MessageBody=body),
+            (BotoCoreError, ClientError),
+        )
         self.sent.add(str(response["MessageId"]))
-
-    async def expected_ids(self) -> set[str]:
-        return set(self.sent)
 
     async def unsettled(self) -> int:
         return await self.adapter.unsettled()
-
-    def identity(self, payload: dict[str, Any]) -> str:
-        return str(payload["message_id"])
 
     async def restart(self, down: float) -> None:
         """Stop moto's server (listener closed: connections refused) and start it on the same port."""
@@ -426,12 +398,6 @@ class SqsTarget:
         await asyncio.sleep(down)
         await asyncio.to_thread(server.start)
         self.restarts += 1
-
-    def note(self) -> str:
-        return "moto kept its queues, messages and receipt handles (in-process backend)" if self.restarts else ""
-
-    async def close(self) -> None:
-        return None
 
 
 def stop_moto_listener(server: Any) -> None:
@@ -456,35 +422,28 @@ async def sqs_client(sqs_faults: SqsFaults) -> AsyncIterator[Any]:
 async def sqs_target(
     sqs_faults: SqsFaults, sqs_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[SqsTarget]:
-    sqs_faults.proxy.heal()
-    queue_url, dlq_url = await create_queue_pair(sqs_client, visibility=30)
-    conn_id = sqs_connection(monkeypatch, SQS_CONN_ID, sqs_faults.proxied)
-    adapter = SqsAdapter(sqs_client, conn_id, queue_url, dlq_url)
-    try:
-        yield SqsTarget(sqs_faults, adapter)
-    finally:
-        sqs_faults.proxy.heal()
-        for url in (queue_url, dlq_url):
-            await sqs_client.delete_queue(QueueUrl=url)
+    async with queue_pair(sqs_client) as (queue_url, dlq_url):
+        conn_id = sqs_connection(monkeypatch, SQS_CONN_ID, sqs_faults.proxied)
+        yield SqsTarget(sqs_faults, SqsAdapter(sqs_client, conn_id, queue_url, dlq_url))
 
 
-@pytest.mark.sqs
-@pytest.mark.parametrize("fault", FAULTS, ids=str)
-async def test_sqs_resumes_after_fault_and_loses_nothing(sqs_target: SqsTarget, fault: Fault) -> None:
-    report = await run_fault(sqs_target, fault)
-    assert_nothing_lost(report)
+def assert_no_config_error(report: harness.FaultReport) -> None:
+    """Regression: an outage fails a group (if at all) with a broker error, never a configuration error."""
     assert "SharedStreamConfigError" not in report.error_types(), f"an outage is no config error: {report.line()}"
 
 
 @pytest.mark.sqs
-@pytest.mark.slow
-@pytest.mark.usefixtures("_slow_opt_in")
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault", SLOW_FAULTS, ids=str)
-async def test_sqs_long_faults(sqs_target: SqsTarget, fault: Fault) -> None:
-    report = await run_fault(sqs_target, fault)
-    assert_nothing_lost(report)
-    assert "SharedStreamConfigError" not in report.error_types(), f"an outage is no config error: {report.line()}"
+@harness.fault_variants
+async def test_sqs_resumes_after_fault_and_loses_nothing(sqs_target: SqsTarget, fault: harness.Fault) -> None:
+    report = await harness.assert_fault_loses_nothing(sqs_target, fault)
+    assert_no_config_error(report)
+
+
+@pytest.mark.sqs
+@harness.long_fault_variants
+async def test_sqs_long_faults(sqs_target: SqsTarget, fault: harness.Fault) -> None:
+    report = await harness.assert_fault_loses_nothing(sqs_target, fault)
+    assert_no_config_error(report)
 
 
 @pytest.mark.sqs
@@ -492,22 +451,17 @@ async def test_sqs_unreachable_endpoint_gives_one_clear_error(
     sqs_faults: SqsFaults, sqs_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = int(sqs_faults.direct.rsplit(":", 1)[1])
-    queue_url, dlq_url = await create_queue_pair(sqs_client)
-    try:
-        with FaultProxy(port) as dead:
-            dead.refuse(float("inf"))
+    async with queue_pair(sqs_client) as (queue_url, dlq_url):
+        with harness.unreachable(port) as dead:
             conn_id = sqs_connection(monkeypatch, "aws_faults_dead", f"http://{dead.address}")
             adapter = SqsAdapter(sqs_client, conn_id, queue_url, dlq_url)
-            attempts, after, error = await assert_one_clear_error(
+            await harness.assert_one_clear_error(
+                "sqs/unreachable",
                 dead,
                 adapter.make_trigger,
                 mentions=("cannot reach the SQS endpoint", queue_url, conn_id),
                 error_type=BrokerUnavailableError,  # an outage, not a setting (a typo'd endpoint reads the same)
             )
-    finally:
-        for url in (queue_url, dlq_url):
-            await sqs_client.delete_queue(QueueUrl=url)
-    print(f"FAULT sqs/unreachable: one error after {after:.1f}s and {attempts} connection attempt(s): {error}")
 
 
 @pytest.mark.sqs
@@ -516,25 +470,23 @@ async def test_sqs_bad_credentials_give_one_clear_error(
 ) -> None:
     from moto import settings as moto_settings
 
-    queue_url, dlq_url = await create_queue_pair(sqs_client)
-    try:
-        # moto checks credentials from now on: the key "testing" is no IAM user of its account.
-        monkeypatch.setattr(moto_settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
-        conn_id = sqs_connection(monkeypatch, "aws_faults_badcreds", sqs_faults.proxied, secret="wrong")
-        adapter = SqsAdapter(sqs_client, conn_id, queue_url, dlq_url)
-        # moto answers the JSON-protocol request with an XML error body, so botocore reports the
-        # code as "403" and the AWS code sits in the message (real SQS: "AWS rejected the credentials").
-        attempts, after, error = await assert_one_clear_error(
-            sqs_faults.proxy,
-            adapter.make_trigger,
-            mentions=("InvalidClientTokenId", conn_id),
-            error_type=SharedStreamConfigError,
-        )
-    finally:
-        monkeypatch.setattr(moto_settings, "INITIAL_NO_AUTH_ACTION_COUNT", float("inf"))
-        for url in (queue_url, dlq_url):
-            await sqs_client.delete_queue(QueueUrl=url)
-    print(f"FAULT sqs/bad-credentials: one error after {after:.1f}s and {attempts} connection attempt(s): {error}")
+    async with queue_pair(sqs_client) as (queue_url, dlq_url):
+        try:
+            # moto checks credentials from now on: the key "testing" is no IAM user of its account.
+            monkeypatch.setattr(moto_settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+            conn_id = sqs_connection(monkeypatch, "aws_faults_badcreds", sqs_faults.proxied, secret="wrong")
+            adapter = SqsAdapter(sqs_client, conn_id, queue_url, dlq_url)
+            # moto answers the JSON-protocol request with an XML error body, so botocore reports the
+            # code as "403" and the AWS code sits in the message (real SQS: "AWS rejected the credentials").
+            await harness.assert_one_clear_error(
+                "sqs/bad-credentials",
+                sqs_faults.proxy,
+                adapter.make_trigger,
+                mentions=("InvalidClientTokenId", conn_id),
+                error_type=SharedStreamConfigError,
+            )
+        finally:
+            monkeypatch.setattr(moto_settings, "INITIAL_NO_AUTH_ACTION_COUNT", float("inf"))
 
 
 @pytest.mark.sqs
@@ -550,8 +502,8 @@ async def test_sqs_outage_past_the_receive_streak_is_a_broker_error_not_a_config
     """
     monkeypatch.setattr(sqs_producer, "_RECEIVE_BACKOFF", Backoff(0.1, cap=0.2))
     sqs_connection(monkeypatch, SQS_CONN_ID, sqs_target.faults.proxied, config_kwargs={"retries": {"max_attempts": 1}})
-    report = await run_fault(sqs_target, Fault("refuse-past-streak", "refuse", FAULT_SECONDS))
-    assert_nothing_lost(report)
+    past_streak = harness.Fault("refuse-past-streak", "refuse", harness.FAULT_SECONDS)
+    report = await harness.assert_fault_loses_nothing(sqs_target, past_streak)
     assert report.group_failures, f"the outage did not outlast the receive streak: {report.line()}"
     # A delete that failed during the outage may end the group first (SqsAdvanceError, also not a
     # configuration error); the receive streak or the re-created triggers' open give the new class.
@@ -563,5 +515,4 @@ async def test_sqs_outage_past_the_receive_streak_is_a_broker_error_not_a_config
 
 @pytest.mark.sqs
 async def test_sqs_moto_restart_keeps_its_data_and_loses_nothing(sqs_target: SqsTarget) -> None:
-    report = await run_fault(sqs_target, RESTART)
-    assert_nothing_lost(report)
+    await harness.assert_fault_loses_nothing(sqs_target, harness.RESTART)

@@ -33,13 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import subprocess
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 # Imported now, not by the hypothesis plugin's terminal summary: that late import is rewritten by
@@ -55,21 +51,11 @@ from google.api_core import exceptions as gexc
 from airflow_shared_stream_provider._core.errors import BrokerUnavailableError, SharedStreamConfigError
 from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
 from airflow_shared_stream_provider.triggers.servicebus import ServiceBusSharedStreamTrigger
-from devkit.brokers import BrokerProcess, BrokerStartError, pubsub_emulator_launcher
-from devkit.ports import free_port, wait_for_port
+from devkit.brokers import BrokerProcess, start_pubsub_emulator
+from devkit.ports import free_port
 from tests.faultproxy import FaultProxy
-from tests.integration.faults_harness import (
-    FAULTS,
-    RESTART,
-    SLOW_FAULTS,
-    Fault,
-    _slow_opt_in,
-    assert_nothing_lost,
-    assert_one_clear_error,
-    order,
-    print_fault_reports,
-    run_fault,
-)
+from tests.integration import faults_harness as harness
+from tests.integration.faults_harness import _slow_opt_in, print_fault_reports
 from tests.integration.pubsub.conftest import PubSubAdapter
 from tests.servicebus_broker.broker import BrokerHandle, start_broker
 
@@ -79,29 +65,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 # -- Pub/Sub: a dedicated emulator behind the proxy ------------------------------------------------
-def start_emulator_on(port: int, *, timeout: float = 90.0) -> BrokerProcess:
-    """Google's Pub/Sub emulator on ``127.0.0.1:port`` (a fixed port, so it can be restarted on it)."""
-    log_path = Path(tempfile.mkstemp(prefix="pubsub-faults-", suffix=".log")[1])
-    argv = [str(pubsub_emulator_launcher()), "--host=127.0.0.1", f"--port={port}"]
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-    emulator = BrokerProcess("pubsub", f"127.0.0.1:{port}", proc, log_path)
-    try:
-        wait_for_port(port, timeout=timeout)
-    except TimeoutError as exc:
-        tail = emulator.log_tail()
-        emulator.stop()
-        raise BrokerStartError(f"Pub/Sub emulator did not start on port {port}: {exc}\n{tail}") from exc
-    return emulator
-
-
 @dataclass
 class PubSubFaults:
     proxy: FaultProxy
     emulator: BrokerProcess
     port: int
+    """The emulator's port: fixed, so that it can be restarted behind the same proxy."""
 
     @property
     def direct(self) -> str:
@@ -111,7 +80,7 @@ class PubSubFaults:
 @pytest.fixture(scope="module")
 def pubsub_faults() -> Iterator[PubSubFaults]:
     port = free_port()
-    faults = PubSubFaults(FaultProxy(port).start(), start_emulator_on(port), port)
+    faults = PubSubFaults(FaultProxy(port).start(), start_pubsub_emulator(port=port), port)
     try:
         yield faults
     finally:
@@ -135,18 +104,25 @@ def direct_clients(address: str) -> tuple[Any, Any]:
     return publisher, subscriber
 
 
-class PubSubTarget:
+@contextlib.asynccontextmanager
+async def pubsub_adapter(faults: PubSubFaults) -> AsyncIterator[PubSubAdapter]:
+    """An adapter with fresh topic and subscription names, its clients straight to the emulator (closed after)."""
+    publisher, subscriber = direct_clients(faults.direct)
+    try:
+        yield PubSubAdapter(publisher, subscriber, suffix=uuid.uuid4().hex[:12])
+    finally:
+        await publisher.transport.close()
+        await subscriber.transport.close()
+
+
+class PubSubTarget(harness.FaultTargetBase):
     broker = "pubsub"
 
     def __init__(self, faults: PubSubFaults, adapter: PubSubAdapter) -> None:
+        super().__init__(faults.proxy)
         self.faults = faults
-        self.proxy = faults.proxy
         self.adapter = adapter
-        self.publish_retries = 0
-        self.sent: list[str] = []
         self.sent_before_restart: set[str] = set()
-        self.broker_forgot = 0
-        self.restarted = False
         self._ready = asyncio.Event()
         self._ready.set()
 
@@ -154,19 +130,17 @@ class PubSubTarget:
         return self.adapter.make_trigger(**kwargs)
 
     async def publish(self, index: int) -> None:
-        while True:
+        async def send() -> list[str]:
             await self._ready.wait()
-            try:
-                ids = await self.adapter.publish([order(index)])
-                self.sent.extend(f"{message_id}:{index}" for message_id in ids)
-                return
-            except (gexc.GoogleAPICallError, gexc.RetryError, TimeoutError):
-                self.publish_retries += 1  # the emulator restarting, or not re-created yet
-                await asyncio.sleep(0.2)
+            return await self.adapter.publish([harness.order(index)])
+
+        # Failures: the emulator restarting, or its topic not re-created yet.
+        ids = await self.publish_retrying(send, (gexc.GoogleAPICallError, gexc.RetryError, TimeoutError))
+        self.sent.update(f"{message_id}:{index}" for message_id in ids)
 
     async def expected_ids(self) -> set[str]:
         """What the emulator holds: everything, or after a restart what was published since."""
-        return set(self.sent) - self.sent_before_restart
+        return self.sent - self.sent_before_restart
 
     async def unsettled(self) -> int:
         return await self.adapter.unsettled()
@@ -182,64 +156,51 @@ class PubSubTarget:
         self.broker_forgot = len(self.sent_before_restart)
         self.faults.emulator.stop()
         await asyncio.sleep(down)
-        self.faults.emulator = await asyncio.to_thread(start_emulator_on, self.faults.port)
+        self.faults.emulator = await asyncio.to_thread(start_pubsub_emulator, port=self.faults.port)
         self.adapter.created.clear()
         await self.adapter.setup()
-        self.restarted = True
+        self.restarts += 1
         self._ready.set()
 
     def note(self) -> str:
-        if not self.restarted:
+        if not self.restarts:
             return ""
         return (
             f"the emulator keeps no data: topic and subscriptions re-created; {len(self.sent_before_restart)} "
             "messages published before the restart are not checked (unacked ones died with the emulator)"
         )
 
-    async def close(self) -> None:
-        return None
-
 
 @pytest.fixture
 async def pubsub_target(pubsub_faults: PubSubFaults, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[PubSubTarget]:
-    pubsub_faults.proxy.heal()
     # The producer reads PUBSUB_EMULATOR_HOST when it builds its client: it goes through the proxy.
     monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_faults.proxy.address)
-    publisher, subscriber = direct_clients(pubsub_faults.direct)
-    adapter = PubSubAdapter(publisher, subscriber, suffix=uuid.uuid4().hex[:12])
-    await adapter.setup()
-    try:
-        yield PubSubTarget(pubsub_faults, adapter)
-    finally:
-        pubsub_faults.proxy.heal()
-        await adapter.teardown()
-        await publisher.transport.close()
-        await subscriber.transport.close()
+    async with pubsub_adapter(pubsub_faults) as adapter:
+        await adapter.setup()
+        try:
+            yield PubSubTarget(pubsub_faults, adapter)
+        finally:
+            await adapter.teardown()
 
 
 @pytest.mark.pubsub
-@pytest.mark.parametrize("fault", FAULTS, ids=str)
-async def test_pubsub_resumes_after_fault_and_loses_nothing(pubsub_target: PubSubTarget, fault: Fault) -> None:
-    report = await run_fault(pubsub_target, fault)
-    assert_nothing_lost(report)
+@harness.fault_variants
+async def test_pubsub_resumes_after_fault_and_loses_nothing(pubsub_target: PubSubTarget, fault: harness.Fault) -> None:
+    await harness.assert_fault_loses_nothing(pubsub_target, fault)
 
 
 @pytest.mark.pubsub
-@pytest.mark.slow
-@pytest.mark.usefixtures("_slow_opt_in")
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault", SLOW_FAULTS, ids=str)
-async def test_pubsub_long_faults(pubsub_target: PubSubTarget, fault: Fault) -> None:
-    report = await run_fault(pubsub_target, fault)
-    assert_nothing_lost(report)
+@harness.long_fault_variants
+async def test_pubsub_long_faults(pubsub_target: PubSubTarget, fault: harness.Fault) -> None:
+    await harness.assert_fault_loses_nothing(pubsub_target, fault)
 
 
 @pytest.mark.pubsub
 @pytest.mark.timeout(180)
 async def test_pubsub_emulator_restart_recovers(pubsub_target: PubSubTarget) -> None:
-    report = await run_fault(pubsub_target, RESTART)
-    assert_nothing_lost(report)  # of what the emulator holds: what was published after the restart
-    assert pubsub_target.restarted
+    # Nothing lost of what the emulator holds: what was published after the restart.
+    await harness.assert_fault_loses_nothing(pubsub_target, harness.RESTART)
+    assert pubsub_target.restarts
 
 
 @pytest.mark.pubsub
@@ -247,15 +208,13 @@ async def test_pubsub_emulator_restart_recovers(pubsub_target: PubSubTarget) -> 
 async def test_pubsub_unreachable_gives_one_clear_error(
     pubsub_faults: PubSubFaults, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with FaultProxy(pubsub_faults.port) as dead:
-        dead.refuse(float("inf"))
+    with harness.unreachable(pubsub_faults.port) as dead:
         monkeypatch.setenv("PUBSUB_EMULATOR_HOST", dead.address)
-        publisher, subscriber = direct_clients(pubsub_faults.direct)
-        adapter = PubSubAdapter(publisher, subscriber, suffix=uuid.uuid4().hex[:12])
-        try:
+        async with pubsub_adapter(pubsub_faults) as adapter:
             # The subscription check retries for CONNECT_TIMEOUT (20 s), then fails the group with
             # a BrokerUnavailableError that names the subscription and the endpoint.
-            attempts, after, error = await assert_one_clear_error(
+            await harness.assert_one_clear_error(
+                "pubsub/unreachable",
                 dead,
                 adapter.make_trigger,
                 mentions=(adapter.subscription, f"emulator {dead.address}", "did not answer"),
@@ -263,10 +222,6 @@ async def test_pubsub_unreachable_gives_one_clear_error(
                 error_timeout=PUBSUB_ERROR_TIMEOUT,
                 max_attempts=PUBSUB_MAX_CONNECT_ATTEMPTS,
             )
-        finally:
-            await publisher.transport.close()
-            await subscriber.transport.close()
-    print(f"FAULT pubsub/unreachable: one error after {after:.1f}s and {attempts} connection attempt(s): {error}")
 
 
 PUBSUB_ERROR_TIMEOUT = 60.0
@@ -288,16 +243,21 @@ def sb_connection_string(port: int, key: str = SAS_KEY) -> str:
 
 
 def sb_connection(monkeypatch: pytest.MonkeyPatch, conn_id: str, port: int, key: str = SAS_KEY) -> str:
-    conn = {"conn_type": "azure_service_bus", "schema": sb_connection_string(port, key)}
-    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(conn))
-    return conn_id
+    return harness.set_connection(
+        monkeypatch, conn_id, {"conn_type": "azure_service_bus", "schema": sb_connection_string(port, key)}
+    )
 
 
 @dataclass
 class ServiceBusFaults:
     proxy: FaultProxy
     broker: BrokerHandle
-    errors: list[str] = field(default_factory=list)
+
+    def new_queue(self, **options: Any) -> str:
+        """A fresh queue on the test broker (``options``: its lock duration, max delivery count...)."""
+        queue = f"faults-{uuid.uuid4().hex[:8]}"
+        self.broker.create_queue(queue, **options)
+        return queue
 
 
 @pytest.fixture(scope="module")
@@ -310,18 +270,15 @@ def servicebus_faults() -> Iterator[ServiceBusFaults]:
         broker.stop()
 
 
-class ServiceBusTarget:
+class ServiceBusTarget(harness.FaultTargetBase):
     broker = "servicebus"
+    kept_on_restart = "the test broker kept its entities, messages and locks"
 
     def __init__(self, faults: ServiceBusFaults, conn_id: str, queue: str) -> None:
+        super().__init__(faults.proxy)
         self.faults = faults
-        self.proxy = faults.proxy
         self.conn_id = conn_id
         self.queue = queue
-        self.publish_retries = 0
-        self.broker_forgot = 0
-        self.sent: set[str] = set()
-        self.restarts = 0
         self._client: ServiceBusClient | None = None
         self._sender: ServiceBusSender | None = None
 
@@ -333,21 +290,19 @@ class ServiceBusTarget:
 
     async def publish(self, index: int) -> None:
         message_id = f"order-{index}"
-        while True:
-            try:
-                if self._sender is None:
-                    self._client = ServiceBusClient.from_connection_string(self.faults.broker.connection_string)
-                    self._sender = self._client.get_queue_sender(self.queue)
-                    await asyncio.wait_for(self._sender.__aenter__(), timeout=10)
-                await asyncio.wait_for(
-                    self._sender.send_messages(ServiceBusMessage(order(index), message_id=message_id)), timeout=10
-                )
-                self.sent.add(message_id)
-                return
-            except Exception:  # the broker restarting: the SDK's errors, or a timeout
-                self.publish_retries += 1
-                await self._drop_sender()
-                await asyncio.sleep(0.2)
+
+        async def send() -> None:
+            if self._sender is None:
+                self._client = ServiceBusClient.from_connection_string(self.faults.broker.connection_string)
+                self._sender = self._client.get_queue_sender(self.queue)
+                await asyncio.wait_for(self._sender.__aenter__(), timeout=10)
+            await asyncio.wait_for(
+                self._sender.send_messages(ServiceBusMessage(harness.order(index), message_id=message_id)), timeout=10
+            )
+
+        # Any failure: the broker restarting (the SDK's errors, or a timeout).
+        await self.publish_retrying(send, (Exception,), before_retry=self._drop_sender)
+        self.sent.add(message_id)
 
     async def _drop_sender(self) -> None:
         sender, client, self._sender, self._client = self._sender, self._client, None, None
@@ -356,22 +311,13 @@ class ServiceBusTarget:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(closable.close(), timeout=5)
 
-    async def expected_ids(self) -> set[str]:
-        return set(self.sent)
-
     async def unsettled(self) -> int:
         counts = await asyncio.to_thread(self.faults.broker.counts, self.queue)
         return int(counts.active + counts.locked + counts.deferred)
 
-    def identity(self, payload: dict[str, Any]) -> str:
-        return str(payload["message_id"])
-
     async def restart(self, down: float) -> None:
         await asyncio.to_thread(self.faults.broker.restart_listener, down)
         self.restarts += 1
-
-    def note(self) -> str:
-        return "the test broker kept its entities, messages and locks" if self.restarts else ""
 
     async def close(self) -> None:
         await self._drop_sender()
@@ -381,80 +327,68 @@ class ServiceBusTarget:
 async def servicebus_target(
     servicebus_faults: ServiceBusFaults, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[ServiceBusTarget]:
-    servicebus_faults.proxy.heal()
-    queue = f"faults-{uuid.uuid4().hex[:8]}"
-    servicebus_faults.broker.create_queue(queue, lock_duration=5.0, max_delivery_count=10)
+    queue = servicebus_faults.new_queue(lock_duration=5.0, max_delivery_count=10)
     conn_id = sb_connection(monkeypatch, "servicebus_faults", servicebus_faults.proxy.port)
     target = ServiceBusTarget(servicebus_faults, conn_id, queue)
     try:
         yield target
     finally:
-        servicebus_faults.proxy.heal()
         await target.close()
         errors = servicebus_faults.broker.clear_errors()
         assert not errors, "the test broker recorded errors:\n" + "\n".join(map(str, errors))
 
 
 @pytest.mark.servicebus
-@pytest.mark.parametrize("fault", FAULTS, ids=str)
+@harness.fault_variants
 async def test_servicebus_resumes_after_fault_and_loses_nothing(
-    servicebus_target: ServiceBusTarget, fault: Fault
+    servicebus_target: ServiceBusTarget, fault: harness.Fault
 ) -> None:
-    report = await run_fault(servicebus_target, fault)
-    assert_nothing_lost(report)
+    await harness.assert_fault_loses_nothing(servicebus_target, fault)
 
 
 @pytest.mark.servicebus
-@pytest.mark.slow
-@pytest.mark.usefixtures("_slow_opt_in")
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault", SLOW_FAULTS, ids=str)
-async def test_servicebus_long_faults(servicebus_target: ServiceBusTarget, fault: Fault) -> None:
-    report = await run_fault(servicebus_target, fault)
-    assert_nothing_lost(report)
+@harness.long_fault_variants
+async def test_servicebus_long_faults(servicebus_target: ServiceBusTarget, fault: harness.Fault) -> None:
+    await harness.assert_fault_loses_nothing(servicebus_target, fault)
 
 
 @pytest.mark.servicebus
 async def test_servicebus_broker_restart_keeps_its_data_and_loses_nothing(
     servicebus_target: ServiceBusTarget,
 ) -> None:
-    report = await run_fault(servicebus_target, RESTART)
-    assert_nothing_lost(report)
+    await harness.assert_fault_loses_nothing(servicebus_target, harness.RESTART)
 
 
 @pytest.mark.servicebus
 async def test_servicebus_unreachable_gives_one_clear_error(
     servicebus_faults: ServiceBusFaults, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    queue = f"faults-{uuid.uuid4().hex[:8]}"
-    servicebus_faults.broker.create_queue(queue)
-    with FaultProxy(servicebus_faults.broker.port) as dead:
-        dead.refuse(float("inf"))
+    queue = servicebus_faults.new_queue()
+    with harness.unreachable(servicebus_faults.broker.port) as dead:
         conn_id = sb_connection(monkeypatch, "servicebus_faults_dead", dead.port)
         target = ServiceBusTarget(servicebus_faults, conn_id, queue)
         # The SDK's ServiceBusConnectionError (after its own retries), as a BrokerUnavailableError
         # that names the entity and the connection.
-        attempts, after, error = await assert_one_clear_error(
+        await harness.assert_one_clear_error(
+            "servicebus/unreachable",
             dead,
             target.make_trigger,
             mentions=("ServiceBusConnectionError", queue, conn_id, "could not be reached"),
             error_type=BrokerUnavailableError,
         )
-    print(f"FAULT servicebus/unreachable: one error after {after:.1f}s and {attempts} connection attempt(s): {error}")
 
 
 @pytest.mark.servicebus
 async def test_servicebus_bad_sas_key_gives_one_clear_error(
     servicebus_faults: ServiceBusFaults, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    queue = f"faults-{uuid.uuid4().hex[:8]}"
-    servicebus_faults.broker.create_queue(queue)
+    queue = servicebus_faults.new_queue()
     conn_id = sb_connection(monkeypatch, "servicebus_faults_badkey", servicebus_faults.proxy.port, key="wrong")
     target = ServiceBusTarget(servicebus_faults, conn_id, queue)
-    attempts, after, error = await assert_one_clear_error(
+    await harness.assert_one_clear_error(
+        "servicebus/bad-sas-key",
         servicebus_faults.proxy,
         target.make_trigger,
         mentions=("ServiceBusAuthenticationError", queue, conn_id),
         error_type=SharedStreamConfigError,
     )
-    print(f"FAULT servicebus/bad-sas-key: one error after {after:.1f}s and {attempts} connection attempt(s): {error}")
