@@ -17,8 +17,9 @@ The orders data pipeline on Spark (PySpark), fed by a shared-stream asset.
    run's ``extract`` starts reading the source's events. Airflow's ``prev_start_date_success`` is
    always None for an asset-triggered run (it looks runs up by logical date, which such runs do
    not have), so without this every run re-read the source's whole history: 0.07 s for the first
-   run of a chaos run, 5 s at 3,500 stored events, past the task's 30 s Execution API timeout
-   when four pipelines read at once, and from then on every run failed.
+   run of a chaos run, 5 s at 3,500 stored events, past the Execution API timeout
+   (``[workers] execution_api_timeout``, 5 s by default) when four pipelines read at once, and
+   from then on every run failed.
 
 Idempotency (a re-run, a retry, a redelivered message or an order published twice never
 double-counts). The idempotency key is the business key ``order_id``, not the ``message_id``: a
