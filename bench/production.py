@@ -466,35 +466,41 @@ ACCESS_LINE: Final = re.compile(
 )
 
 
-def pipeline_event_reads(topology: ProductionTopology, broker: str) -> dict[str, Any]:
+def pipeline_event_reads(topology: ProductionTopology, brokers: Sequence[str]) -> dict[str, dict[str, Any]]:
     """
-    The pipeline's reads of its source's events (``inlet_events``, the api-server's access log):
-    how many read the whole history (no ``after``) and how many since the progress mark, their
-    slowest, and the whole-history reads that finished after the first successful run ended,
-    when the mark was set (example_dags/orders_spark.py ``record_progress``): 0, or every run
-    re-reads a history that only grows.
+    Per broker, its pipeline's reads of its source's events (``inlet_events``, from one pass over
+    the api-server's access log): how many read the whole history (no ``after``) and how many since
+    the progress mark, their slowest, and the whole-history reads that finished after the first
+    successful run ended, when the mark was set (example_dags/orders_spark.py
+    ``record_progress``): 0, or every run re-reads a history that only grows.
     """
-    stream = topology.streams[broker]
-    asset = stream.watcher_name("kafka_orders_valid")
+    asset_broker = {topology.streams[b].watcher_name("kafka_orders_valid"): b for b in brokers}
+    first_success_end: dict[str, float | None] = {}
+    for broker in brokers:
+        rows = topology.env.query_db(
+            "SELECT min(end_date) FROM dag_run WHERE dag_id = ? AND state = 'success'",
+            (topology.streams[broker].spark_dag,),
+        )
+        first_success_end[broker] = to_epoch(rows[0][0]) if rows else None
+    reads = {b: {"whole_history": 0, "since_mark": 0, "whole_after_mark": 0, "slowest_s": 0.0} for b in brokers}
     log = topology.env.airflow_home / "process-logs" / "api-server.log"
-    rows = topology.env.query_db(
-        "SELECT min(end_date) FROM dag_run WHERE dag_id = ? AND state = 'success'", (stream.spark_dag,)
-    )
-    first_success_end = to_epoch(rows[0][0]) if rows else None
-    whole, since_mark, late_whole, slowest = 0, 0, 0, 0.0
     for line in log.read_text(errors="replace").splitlines() if log.exists() else ():
         match = ACCESS_LINE.match(line)
-        if match is None or f"name={asset}&" not in match["query"] + "&":
+        name = re.match(r"name=([^&]*)", match["query"]) if match else None
+        owner = asset_broker.get(name[1]) if name else None
+        if match is None or owner is None:
             continue
-        slowest = max(slowest, int(match["us"]) / 1e6)
+        counts = reads[owner]
+        counts["slowest_s"] = max(counts["slowest_s"], int(match["us"]) / 1e6)
         if "after=" in match["query"]:
-            since_mark += 1
+            counts["since_mark"] += 1
             continue
-        whole += 1
+        counts["whole_history"] += 1
         finished = datetime.fromisoformat(match["at"]).replace(tzinfo=timezone.utc).timestamp()
-        if first_success_end is not None and finished > first_success_end:
-            late_whole += 1
-    return {"whole_history": whole, "since_mark": since_mark, "whole_after_mark": late_whole, "slowest_s": slowest}
+        end = first_success_end[owner]
+        if end is not None and finished > end:
+            counts["whole_after_mark"] += 1
+    return reads
 
 
 def pipeline_run_stats(topology: ProductionTopology, broker: str) -> tuple[int, int]:
@@ -534,19 +540,22 @@ def pair_hops(topology: ProductionTopology, asset: str) -> dict[str, Hops]:
     return hops
 
 
-def pair_check(topology: ProductionTopology, publisher: Publisher) -> dict[str, dict[str, int]]:
-    """Per latency-pair watcher: orders published, with an event, with a finished task; lost."""
-    wanted = set(first_sent(publisher))
-    out: dict[str, dict[str, int]] = {}
-    for asset in LATENCY_PAIR:
-        hops = pair_hops(topology, asset)
-        out[asset] = {
+def pair_check(hops: Mapping[str, Mapping[str, Hops]], sent_at: Mapping[str, float]) -> dict[str, dict[str, int]]:
+    """Per latency-pair watcher (its :func:`pair_hops`): orders published, with an event, with a finished task; lost."""
+    wanted = set(sent_at)
+    return {
+        asset: {
             "orders": len(wanted),
-            "with_event": len(wanted & hops.keys()),
-            "task_ended": sum(1 for order_id in wanted if order_id in hops and hops[order_id].written is not None),
-            "lost": len(wanted - hops.keys()),
+            "with_event": len(wanted & seen.keys()),
+            "task_ended": sum(1 for order_id in wanted if order_id in seen and seen[order_id].written is not None),
+            "lost": len(wanted - seen.keys()),
         }
-    return out
+        for asset, seen in hops.items()
+    }
+
+
+def pair_hops_all(topology: ProductionTopology) -> dict[str, dict[str, Hops]]:
+    return {asset: pair_hops(topology, asset) for asset in LATENCY_PAIR}
 
 
 def pair_done(topology: ProductionTopology, publisher: Publisher) -> bool:
@@ -556,7 +565,8 @@ def pair_done(topology: ProductionTopology, publisher: Publisher) -> bool:
     while the last run ran waits for an event that never comes (Airflow 3.3, apache/airflow#56050),
     the same on both sides; ``task_ended`` counts what the runs took.
     """
-    complete = all(c["with_event"] == c["orders"] for c in pair_check(topology, publisher).values())
+    checked = pair_check(pair_hops_all(topology), first_sent(publisher))
+    complete = all(c["with_event"] == c["orders"] for c in checked.values())
     return complete and all(topology.env.dag_idle(pair_dag(asset)) for asset in LATENCY_PAIR)
 
 
@@ -880,22 +890,21 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
                 if args.pipeline
                 else {}
             )
-            for broker, check in checks.items():  # once, at the end: it reads the api-server's whole log
-                check.event_reads = pipeline_event_reads(topology, broker)
+            # Once, at the end (not in drained): it reads the api-server's whole log.
+            for broker, reads in pipeline_event_reads(topology, list(checks)).items():
+                checks[broker].event_reads = reads
             result["checks"] = {b: {**vars(c), "ok": c.ok} for b, c in checks.items()}
             result["latency"] = (
                 {b: latency(topology, b, publishers[b], started) for b in brokers} if args.pipeline else {}
             )
             pair_ok = True
             if args.upstream_kafka:
-                result["latency_pair"] = pair_check(topology, publishers["kafka"])
+                pair = pair_hops_all(topology)
+                sent_at = first_sent(publishers["kafka"])
+                result["latency_pair"] = pair_check(pair, sent_at)
                 pair_ok = all(c["lost"] == 0 for c in result["latency_pair"].values())
-                for asset in LATENCY_PAIR:
-                    hops = pair_hops(topology, asset)
-                    result["latency"][asset] = {
-                        **hop_latency(hops, first_sent(publishers["kafka"]), started),
-                        "delivered_orders": len(hops),
-                    }
+                for asset, hops in pair.items():
+                    result["latency"][asset] = {**hop_latency(hops, sent_at, started), "delivered_orders": len(hops)}
             result["chaos"] = {"events": chaos.log.events, "errors": chaos.errors}
             result["publish_errors"] = {b: p.errors[:5] for b, p in publishers.items() if p.errors}
             result["ok"] = all(c.ok for c in checks.values()) and pair_ok and not chaos.errors
