@@ -399,7 +399,7 @@ class Deliveries:
 
 def delivered_per_watcher(topology: ProductionTopology, broker: str) -> dict[str, Deliveries]:
     out: dict[str, Deliveries] = {}
-    for watcher in topology.streams[broker].watchers:
+    for watcher in topology.watcher_roles(broker):
         seen = Deliveries()
         for event in topology.env.asset_events(watcher):
             stamp = to_epoch(event.get("timestamp"))
@@ -634,26 +634,25 @@ class BrokerCheck:
         )
 
 
-def expected_per_watcher(stream: DemoStream[Any], sent: Sequence[Sent]) -> dict[str, dict[str, float]]:
-    """``watcher -> order_id -> sent_at`` of every message the watcher must fire on."""
-    out: dict[str, dict[str, float]] = {name: {} for name in stream.watchers}
+def expected_per_watcher(roles: Mapping[str, str], sent: Sequence[Sent]) -> dict[str, dict[str, float]]:
+    """
+    ``watcher -> order_id -> sent_at`` of every message the watcher must fire on; ``roles``:
+    ``watcher -> role`` (``ProductionTopology.watcher_roles``), the example watcher whose filter it has.
+    """
+    out: dict[str, dict[str, float]] = {name: {} for name in roles}
     for item in sent:
         if item.order_id is None:
             continue
         fired, _ = expected_watchers(item.message)
-        for name in fired:
-            out[stream.watcher_name(name)].setdefault(item.order_id, item.sent_at)
+        for watcher, role in roles.items():
+            if role in fired:
+                out[watcher].setdefault(item.order_id, item.sent_at)
     return out
 
 
-def published_copies(stream: DemoStream[Any], sent: Sequence[Sent], watcher: str) -> int:
-    """How many published messages (duplicated orders count twice) ``watcher`` must fire on."""
-    return sum(
-        1
-        for item in sent
-        if item.order_id is not None
-        and watcher in {stream.watcher_name(name) for name in expected_watchers(item.message)[0]}
-    )
+def published_copies(role: str, sent: Sequence[Sent]) -> int:
+    """How many published messages (duplicated orders count twice) a watcher of ``role`` must fire on."""
+    return sum(1 for item in sent if item.order_id is not None and role in expected_watchers(item.message)[0])
 
 
 def in_pause(moment: float, windows: Sequence[tuple[float, float]]) -> bool:
@@ -665,7 +664,8 @@ def check_broker(
 ) -> BrokerCheck:
     stream = topology.streams[broker]
     sent = publisher.sent
-    expected = expected_per_watcher(stream, sent)
+    roles = topology.watcher_roles(broker)
+    expected = expected_per_watcher(roles, sent)
     delivered = delivered_per_watcher(topology, broker)
     paused_watcher = stream.watchers[0]
     lost: dict[str, int] = {}
@@ -698,8 +698,7 @@ def check_broker(
         missed_while_paused=missed_paused,
         # Copies beyond what was published (a duplicated order is two messages: not a redelivery).
         redelivered={
-            watcher: max(0, seen.copies - published_copies(stream, sent, watcher))
-            for watcher, seen in delivered.items()
+            watcher: max(0, seen.copies - published_copies(roles[watcher], sent)) for watcher, seen in delivered.items()
         },
         output_missing=len(valid_ids - set(rows)),
         output_twice=sum(1 for count in rows.values() if count > 1),
@@ -760,7 +759,6 @@ def hop_latency(hops: Mapping[str, Hops], sent_at: Mapping[str, float], started:
 
 
 def latency(topology: ProductionTopology, broker: str, publisher: Publisher, started: float) -> dict[str, Any]:
-    stream = topology.streams[broker]
     sent_at = first_sent(publisher)
     hops = pipeline_hops(topology, broker)
     per_watcher = {
@@ -770,7 +768,7 @@ def latency(topology: ProductionTopology, broker: str, publisher: Publisher, sta
     return {
         **hop_latency(hops, sent_at, started),
         "publish_to_event_per_watcher": per_watcher,
-        "watchers": list(stream.watchers),
+        "watchers": list(topology.watcher_roles(broker)),
     }
 
 
@@ -798,6 +796,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         dest="pipeline",
         action="store_false",
         help="without the example Dags: only the latency pair (requires --upstream-kafka and kafka)",
+    )
+    parser.add_argument(
+        "--more-watchers",
+        type=int,
+        default=0,
+        help="that many more watchers (one-task consumer Dags) on the example Kafka stream: 6 make 10",
     )
     parser.add_argument(
         "--ha", choices=("kafka-ha", "recipe"), default=None, help="how the two triggerers share watchers"
@@ -838,6 +842,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
         batch_size=args.batch_size,
         upstream_kafka=args.upstream_kafka,
         pipeline=args.pipeline,
+        more_watchers=args.more_watchers,
         ha=args.ha,
     )
     result: dict[str, Any] = {

@@ -50,6 +50,7 @@ from typing import Any, Final, Literal
 from devkit.airflow_env import AirflowEnv
 from devkit.demo import SPARK_LOCAL_CONNECTION, build_dags_folder
 from devkit.demo_streams import STREAMS, DemoStream
+from devkit.demo_types import WATCHERS
 from devkit.postgres import FAST_SETTINGS, PostgresServer
 from devkit.spark_cluster import SparkCluster
 
@@ -59,7 +60,13 @@ SECOND_TRIGGERER: Final = "triggerer-b"
 QUEUE_BROKERS: Final = frozenset({"sqs", "pubsub", "servicebus", "redis"})
 # The latency pair (devkit/dags/kafka_latency_pair.py): asset name == watcher name, and each
 # asset's consumer Dag is "<asset>_consumer" with one task, ``handle_orders``.
-LATENCY_PAIR_FILE: Final = Path(__file__).resolve().parent / "dags" / "kafka_latency_pair.py"
+DEVKIT_DAGS: Final = Path(__file__).resolve().parent / "dags"
+LATENCY_PAIR_FILE: Final = DEVKIT_DAGS / "kafka_latency_pair.py"
+# More watchers on the example Kafka stream (devkit/dags/kafka_more_watchers.py), each with a
+# one-task consumer Dag "<asset>_consumer" (devkit/dags/light_consumer.py, which both files import).
+MORE_WATCHERS_FILE: Final = DEVKIT_DAGS / "kafka_more_watchers.py"
+LIGHT_CONSUMER_FILE: Final = DEVKIT_DAGS / "light_consumer.py"
+MORE_WATCHER_ROLES: Final = ("kafka_orders_eu", "kafka_orders_us_apac", "kafka_orders_big")
 UPSTREAM_ASSET: Final = "upstream_kafka_orders"
 OURS_N1_ASSET: Final = "ours_kafka_orders_n1"
 LATENCY_PAIR: Final = (UPSTREAM_ASSET, OURS_N1_ASSET)
@@ -67,7 +74,16 @@ UPSTREAM_CONN_ID: Final = "kafka_upstream"
 
 
 def pair_dag(asset: str) -> str:
+    """The one-task consumer Dag of a latency-pair or extra watcher's asset (light_consumer.py)."""
     return f"{asset}_consumer"
+
+
+def more_watchers(count: int) -> dict[str, str]:
+    """
+    ``watcher -> role`` of ``kafka_more_watchers.py`` with ``$ORDERS_MORE_WATCHERS=count``: the
+    role is the example watcher whose filter it has (what it must receive is that watcher's).
+    """
+    return {f"kafka_orders_more_{i + 1:02d}": MORE_WATCHER_ROLES[i % len(MORE_WATCHER_ROLES)] for i in range(count)}
 
 
 HaMode = Literal["kafka-ha", "recipe"]
@@ -111,6 +127,9 @@ class ProductionTopology:
     :param pipeline: load the brokers' example Dags (watchers, consumers, the PySpark pipeline).
         ``False`` (only with ``upstream_kafka``) leaves the latency pair alone on the machine: the
         brokers, PostgreSQL, Spark and both triggerers still run.
+    :param more_watchers: that many more watchers on the example Kafka stream (only with Kafka
+        and the pipeline; ``devkit/dags/kafka_more_watchers.py``), each with a one-task consumer
+        Dag: the example's 4 plus 6 are issue 23's "10 watchers".
     :param ha: ``kafka-ha`` or ``recipe`` (module docstring); default: :func:`ha_mode_for` the brokers.
         ``recipe`` with Kafka alone is allowed (every watcher in one triggerer); ``kafka-ha`` with a
         queue broker is refused (its stream would split: loss by design).
@@ -130,6 +149,7 @@ class ProductionTopology:
     startup_timeout: float = 420.0
     upstream_kafka: bool = False
     pipeline: bool = True
+    more_watchers: int = 0
     task_heartbeat_timeout: int = 60
     ha: HaMode | None = None
 
@@ -148,6 +168,8 @@ class ProductionTopology:
             raise ValueError("upstream_kafka compares on the kafka broker's topic: add kafka to brokers")
         if not self.pipeline and not self.upstream_kafka:
             raise ValueError("without the pipeline the topology runs only the latency pair: add upstream_kafka")
+        if self.more_watchers < 0 or (self.more_watchers and ("kafka" not in self.brokers or not self.pipeline)):
+            raise ValueError("more_watchers join the example Kafka stream: only with kafka and the pipeline")
 
     # -- what runs --------------------------------------------------------------------------------
     @property
@@ -165,16 +187,35 @@ class ProductionTopology:
         """The pipeline's Parquet datasets: ``<output_dir>/<broker>/order_lines`` etc."""
         return self.workdir / "output"
 
+    def watcher_roles(self, broker: str) -> dict[str, str]:
+        """
+        ``watcher -> role`` of every watcher on ``broker``'s example stream: the example's own
+        (role: the Kafka example's watcher of the same filter, as ``DemoStream.watcher_name``
+        maps it) and, on Kafka, the :attr:`more_watchers`.
+        """
+        stream = self.streams[broker]
+        roles = {stream.watcher_name(role): role for role in WATCHERS}
+        if broker == "kafka":
+            roles.update(more_watchers(self.more_watchers))
+        return roles
+
     def watchers(self, broker: str | None = None) -> tuple[str, ...]:
-        """The example watchers of ``broker`` (default: of every broker, plus the latency pair's)."""
+        """Every watcher on ``broker``'s example stream (default: every broker's, plus the latency pair's)."""
         names = ([broker] if broker else list(self.brokers)) if self.pipeline else []
         extra = LATENCY_PAIR if self.upstream_kafka and broker is None else ()
-        return tuple(watcher for name in names for watcher in self.streams[name].watchers) + extra
+        return tuple(watcher for name in names for watcher in self.watcher_roles(name)) + extra
 
     def consumer_dags(self, broker: str | None = None) -> tuple[str, ...]:
         names = ([broker] if broker else list(self.brokers)) if self.pipeline else []
         extra = tuple(map(pair_dag, LATENCY_PAIR)) if self.upstream_kafka and broker is None else ()
-        return tuple(dag_id for name in names for dag_id in self.streams[name].consumer_dags) + extra
+        more = tuple(map(pair_dag, more_watchers(self.more_watchers))) if "kafka" in names else ()
+        return tuple(dag_id for name in names for dag_id in self.streams[name].consumer_dags) + more + extra
+
+    def devkit_dag_files(self) -> tuple[Path, ...]:
+        """The Dag files of ``devkit/dags`` this topology copies beside the example Dags."""
+        files: tuple[Path, ...] = (LATENCY_PAIR_FILE,) if self.upstream_kafka else ()
+        files += (MORE_WATCHERS_FILE,) if self.more_watchers else ()
+        return (*files, LIGHT_CONSUMER_FILE) if files else ()
 
     def describe(self) -> str:
         env = self.env
@@ -223,8 +264,7 @@ class ProductionTopology:
             say(f"  Spark: {self.spark_cluster.master_url} (UI {self.spark_cluster.master_ui_url})")
         pipelines = self.streams.values() if self.pipeline else ()
         dag_files = tuple(dict.fromkeys(f for stream in pipelines for f in stream.dag_files))
-        extra_files = (LATENCY_PAIR_FILE,) if self.upstream_kafka else ()
-        dags = build_dags_folder(self.workdir / "dags", files=dag_files, extra=extra_files)
+        dags = build_dags_folder(self.workdir / "dags", files=dag_files, extra=self.devkit_dag_files())
         connections: dict[str, Any] = {SPARK_CONN_ID: dict(spark_connection)}
         if self.upstream_kafka:
             connections[UPSTREAM_CONN_ID] = upstream_kafka_connection(self.streams["kafka"].orders.bootstrap)
@@ -232,6 +272,7 @@ class ProductionTopology:
             "ORDERS_OUTPUT_DIR": str(self.output_dir),
             "ORDERS_SPARK_CONN_ID": SPARK_CONN_ID,
             "ORDERS_BATCH_SIZE": str(self.batch_size),
+            "ORDERS_MORE_WATCHERS": str(self.more_watchers),
         }
         for stream in self.streams.values():
             connections.update(stream.connections())
@@ -293,6 +334,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--upstream-kafka", action="store_true", help="also the latency pair (upstream's Kafka stream and ours, N=1)"
     )
     parser.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="only the latency pair")
+    parser.add_argument(
+        "--more-watchers", type=int, default=0, help="that many more watchers on the example Kafka stream"
+    )
     parser.add_argument("--ha", choices=("kafka-ha", "recipe"), default=None, help="default: by the brokers")
     return parser.parse_args(argv)
 
@@ -312,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_size=args.batch_size,
         upstream_kafka=args.upstream_kafka,
         pipeline=args.pipeline,
+        more_watchers=args.more_watchers,
         ha=args.ha,
     )
     try:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from airflow_shared_stream_provider.brokers import BROKER_NAMES, sdk_module_prefixes
 from devkit.demo import EXAMPLE_DAGS
@@ -27,8 +30,6 @@ def test_example_dags_parse_without_broker_sdks() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    import json
-
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["errors"] == {}
     assert report["sdks"] == []
@@ -37,22 +38,55 @@ def test_example_dags_parse_without_broker_sdks() -> None:
         assert f"{broker}_orders_spark_pipeline" in report["dags"]
 
 
-def test_latency_pair_dags_parse() -> None:
-    """devkit/dags/kafka_latency_pair.py: the upstream provider's watcher and ours, one Dag each."""
-    from devkit.production import LATENCY_PAIR, LATENCY_PAIR_FILE, pair_dag
+def test_devkit_dags_parse_and_join_the_example_stream(tmp_path: Path) -> None:
+    """
+    devkit/dags (the latency pair, the extra watchers), in a Dags folder as the production topology
+    builds it: every Dag parses, and the 6 extra watchers join the example Kafka stream (one shared
+    stream key with its 4 watchers: issue 23's "10 watchers" is one consumer, not two), while the
+    latency pair's own watcher is a stream of its own.
+    """
+    from devkit.demo import build_dags_folder
+    from devkit.demo_types import KAFKA_DAG_FILES
+    from devkit.production import (
+        LATENCY_PAIR,
+        LATENCY_PAIR_FILE,
+        LIGHT_CONSUMER_FILE,
+        MORE_WATCHERS_FILE,
+        OURS_N1_ASSET,
+        more_watchers,
+        pair_dag,
+    )
 
+    folder = build_dags_folder(
+        tmp_path, files=KAFKA_DAG_FILES, extra=(LATENCY_PAIR_FILE, MORE_WATCHERS_FILE, LIGHT_CONSUMER_FILE)
+    )
     code = textwrap.dedent(
         f"""
-        import json
+        import json, sys
+        sys.path.insert(0, {str(folder)!r})
         from airflow.dag_processing.dagbag import DagBag
-        bag = DagBag(dag_folder={str(LATENCY_PAIR_FILE)!r})
-        print(json.dumps({{"errors": bag.import_errors, "dags": sorted(bag.dag_ids)}}))
+        bag = DagBag(dag_folder={str(folder)!r})
+        keys = {{}}
+        def assets(condition):  # an asset, or an AssetAll / AssetAny of them
+            return [a for c in getattr(condition, "objects", ()) for a in assets(c)] or [condition]
+        for dag in bag.dags.values():
+            for asset in assets(dag.timetable.asset_condition):
+                for watcher in getattr(asset, "watchers", ()):
+                    key = getattr(watcher.trigger, "shared_stream_key", lambda: None)()
+                    keys[watcher.name] = repr(key)
+        print(json.dumps({{"errors": bag.import_errors, "dags": sorted(bag.dag_ids), "keys": keys}}))
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    env = {**os.environ, "ORDERS_MORE_WATCHERS": "6", "ORDERS_BATCH_SIZE": "50"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False, env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    import json
-
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["errors"] == {}
-    assert report["dags"] == sorted(pair_dag(asset) for asset in LATENCY_PAIR)
+    extra = more_watchers(6)
+    assert set(report["dags"]) >= {pair_dag(asset) for asset in (*LATENCY_PAIR, *extra)}
+    keys = report["keys"]
+    example_stream = {keys[name] for name in (*extra, "kafka_orders_eu", "kafka_orders_valid")}
+    assert len(example_stream) == 1 and example_stream != {"None"}
+    assert keys[OURS_N1_ASSET] not in example_stream
