@@ -80,7 +80,7 @@ from devkit.demo import (
 )
 from devkit.demo_streams import DemoStream
 from devkit.latency import Hops, envelopes, summary, to_epoch
-from devkit.production import LATENCY_PAIR, ProductionTopology, pair_dag
+from devkit.production import LATENCY_PAIR, MessageFacts, ProductionTopology, WatcherRole, pair_dag
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 RESULTS: Final = ROOT / "bench" / "results"
@@ -634,25 +634,25 @@ class BrokerCheck:
         )
 
 
-def expected_per_watcher(roles: Mapping[str, str], sent: Sequence[Sent]) -> dict[str, dict[str, float]]:
+def expected_per_watcher(
+    roles: Mapping[str, WatcherRole], sent: Sequence[Sent]
+) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
     """
-    ``watcher -> order_id -> sent_at`` of every message the watcher must fire on; ``roles``:
-    ``watcher -> role`` (``ProductionTopology.watcher_roles``), the example watcher whose filter it has.
+    Per watcher of ``roles`` (``ProductionTopology.watcher_roles``): ``order_id -> sent_at`` of
+    every order it must fire on, and how many published messages it must fire on (a duplicated
+    order is published twice: what it receives beyond that is redelivered).
     """
-    out: dict[str, dict[str, float]] = {name: {} for name in roles}
+    wanted: dict[str, dict[str, float]] = {name: {} for name in roles}
+    copies: dict[str, int] = dict.fromkeys(roles, 0)
     for item in sent:
         if item.order_id is None:
             continue
-        fired, _ = expected_watchers(item.message)
+        facts = MessageFacts.of(item.message)
         for watcher, role in roles.items():
-            if role in fired:
-                out[watcher].setdefault(item.order_id, item.sent_at)
-    return out
-
-
-def published_copies(role: str, sent: Sequence[Sent]) -> int:
-    """How many published messages (duplicated orders count twice) a watcher of ``role`` must fire on."""
-    return sum(1 for item in sent if item.order_id is not None and role in expected_watchers(item.message)[0])
+            if role.fires(facts):
+                wanted[watcher].setdefault(item.order_id, item.sent_at)
+                copies[watcher] += 1
+    return wanted, copies
 
 
 def in_pause(moment: float, windows: Sequence[tuple[float, float]]) -> bool:
@@ -665,7 +665,7 @@ def check_broker(
     stream = topology.streams[broker]
     sent = publisher.sent
     roles = topology.watcher_roles(broker)
-    expected = expected_per_watcher(roles, sent)
+    expected, copies = expected_per_watcher(roles, sent)
     delivered = delivered_per_watcher(topology, broker)
     paused_watcher = stream.watchers[0]
     lost: dict[str, int] = {}
@@ -697,9 +697,7 @@ def check_broker(
         lost=lost,
         missed_while_paused=missed_paused,
         # Copies beyond what was published (a duplicated order is two messages: not a redelivery).
-        redelivered={
-            watcher: max(0, seen.copies - published_copies(roles[watcher], sent)) for watcher, seen in delivered.items()
-        },
+        redelivered={watcher: max(0, seen.copies - copies[watcher]) for watcher, seen in delivered.items()},
         output_missing=len(valid_ids - set(rows)),
         output_twice=sum(1 for count in rows.values() if count > 1),
         revenue_groups_wrong=wrong_groups,

@@ -48,9 +48,9 @@ from types import FrameType, TracebackType
 from typing import Any, Final, Literal
 
 from devkit.airflow_env import AirflowEnv
-from devkit.demo import SPARK_LOCAL_CONNECTION, build_dags_folder
+from devkit.demo import DEFAULT_MAX_PAYLOAD_BYTES, SPARK_LOCAL_CONNECTION, build_dags_folder, expected_watchers
 from devkit.demo_streams import STREAMS, DemoStream
-from devkit.demo_types import WATCHERS
+from devkit.demo_types import WATCHERS, OrderMessage
 from devkit.postgres import FAST_SETTINGS, PostgresServer
 from devkit.spark_cluster import SparkCluster
 
@@ -66,7 +66,15 @@ LATENCY_PAIR_FILE: Final = DEVKIT_DAGS / "kafka_latency_pair.py"
 # one-task consumer Dag "<asset>_consumer" (devkit/dags/light_consumer.py, which both files import).
 MORE_WATCHERS_FILE: Final = DEVKIT_DAGS / "kafka_more_watchers.py"
 LIGHT_CONSUMER_FILE: Final = DEVKIT_DAGS / "light_consumer.py"
-MORE_WATCHER_ROLES: Final = ("kafka_orders_eu", "kafka_orders_us_apac", "kafka_orders_big")
+# Each extra watcher's ``match`` on body.region (kafka_more_watchers.REGION_SETS: the same list).
+MORE_WATCHER_REGIONS: Final = (
+    ("us",),
+    ("apac",),
+    ("eu", "us"),
+    ("apac", "eu"),
+    ("apac", "eu", "us"),
+    ("eu", "us", "apac", "latam"),
+)
 UPSTREAM_ASSET: Final = "upstream_kafka_orders"
 OURS_N1_ASSET: Final = "ours_kafka_orders_n1"
 LATENCY_PAIR: Final = (UPSTREAM_ASSET, OURS_N1_ASSET)
@@ -78,12 +86,47 @@ def pair_dag(asset: str) -> str:
     return f"{asset}_consumer"
 
 
-def more_watchers(count: int) -> dict[str, str]:
+@dataclass(frozen=True)
+class MessageFacts:
+    """What the filters look at in one message, worked out once (a run checks ~10^5 messages x 10 watchers)."""
+
+    fired: frozenset[str]  # the example watchers that must fire (devkit.demo.expected_watchers)
+    region: Any  # body.region; None when the body is no JSON object or the message is oversize
+
+    @classmethod
+    def of(cls, message: OrderMessage) -> MessageFacts:
+        fired, _ = expected_watchers(message)
+        body = message.body()
+        oversize = len(message.value) + 1024 > DEFAULT_MAX_PAYLOAD_BYTES  # dead-lettered, fires nothing
+        region = body.get("region") if isinstance(body, dict) and not oversize else None
+        return cls(frozenset(fired), region)
+
+
+@dataclass(frozen=True)
+class WatcherRole:
     """
-    ``watcher -> role`` of ``kafka_more_watchers.py`` with ``$ORDERS_MORE_WATCHERS=count``: the
-    role is the example watcher whose filter it has (what it must receive is that watcher's).
+    What a watcher must fire on, written from the documented filter semantics: the same as an
+    example watcher (``example``: its Kafka name, see :func:`devkit.demo.expected_watchers`), or
+    every order whose ``region`` is one of ``regions`` (a ``match`` on ``body.region``).
     """
-    return {f"kafka_orders_more_{i + 1:02d}": MORE_WATCHER_ROLES[i % len(MORE_WATCHER_ROLES)] for i in range(count)}
+
+    example: str | None = None
+    regions: tuple[str, ...] = ()
+
+    def fires(self, facts: MessageFacts) -> bool:
+        if self.example is not None:
+            return self.example in facts.fired
+        return facts.region in self.regions
+
+
+def more_watchers(count: int) -> dict[str, WatcherRole]:
+    """``watcher -> role`` of ``kafka_more_watchers.py`` with ``$ORDERS_MORE_WATCHERS=count``."""
+    if not 0 <= count <= len(MORE_WATCHER_REGIONS):
+        raise ValueError(f"more watchers: 0 to {len(MORE_WATCHER_REGIONS)} (one distinct filter each); got {count}")
+    return {
+        f"kafka_orders_more_{i + 1:02d}": WatcherRole(regions=regions)
+        for i, regions in enumerate(MORE_WATCHER_REGIONS[:count])
+    }
 
 
 HaMode = Literal["kafka-ha", "recipe"]
@@ -168,7 +211,8 @@ class ProductionTopology:
             raise ValueError("upstream_kafka compares on the kafka broker's topic: add kafka to brokers")
         if not self.pipeline and not self.upstream_kafka:
             raise ValueError("without the pipeline the topology runs only the latency pair: add upstream_kafka")
-        if self.more_watchers < 0 or (self.more_watchers and ("kafka" not in self.brokers or not self.pipeline)):
+        more_watchers(self.more_watchers)  # in range, else one clear error
+        if self.more_watchers and ("kafka" not in self.brokers or not self.pipeline):
             raise ValueError("more_watchers join the example Kafka stream: only with kafka and the pipeline")
 
     # -- what runs --------------------------------------------------------------------------------
@@ -187,14 +231,14 @@ class ProductionTopology:
         """The pipeline's Parquet datasets: ``<output_dir>/<broker>/order_lines`` etc."""
         return self.workdir / "output"
 
-    def watcher_roles(self, broker: str) -> dict[str, str]:
+    def watcher_roles(self, broker: str) -> dict[str, WatcherRole]:
         """
         ``watcher -> role`` of every watcher on ``broker``'s example stream: the example's own
-        (role: the Kafka example's watcher of the same filter, as ``DemoStream.watcher_name``
-        maps it) and, on Kafka, the :attr:`more_watchers`.
+        (the Kafka example's watcher of the same filter, as ``DemoStream.watcher_name`` maps it)
+        and, on Kafka, the :attr:`more_watchers`.
         """
         stream = self.streams[broker]
-        roles = {stream.watcher_name(role): role for role in WATCHERS}
+        roles = {stream.watcher_name(role): WatcherRole(example=role) for role in WATCHERS}
         if broker == "kafka":
             roles.update(more_watchers(self.more_watchers))
         return roles

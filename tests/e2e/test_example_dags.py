@@ -42,11 +42,13 @@ def test_devkit_dags_parse_and_join_the_example_stream(tmp_path: Path) -> None:
     """
     devkit/dags (the latency pair, the extra watchers), in a Dags folder as the production topology
     builds it: every Dag parses, and the 6 extra watchers join the example Kafka stream (one shared
-    stream key with its 4 watchers: issue 23's "10 watchers" is one consumer, not two), while the
-    latency pair's own watcher is a stream of its own.
+    stream key with its 4 watchers: issue 23's "10 watchers" is one consumer, not two) as 10
+    distinct triggers (Airflow merges watchers whose triggers serialize the same into one trigger
+    row: one subscriber), each with the region filter devkit.production expects of it; the latency
+    pair's own watcher is a stream of its own.
     """
     from devkit.demo import build_dags_folder
-    from devkit.demo_types import KAFKA_DAG_FILES
+    from devkit.demo_types import KAFKA_DAG_FILES, WATCHERS
     from devkit.production import (
         LATENCY_PAIR,
         LATENCY_PAIR_FILE,
@@ -73,7 +75,7 @@ def test_devkit_dags_parse_and_join_the_example_stream(tmp_path: Path) -> None:
             for asset in assets(dag.timetable.asset_condition):
                 for watcher in getattr(asset, "watchers", ()):
                     key = getattr(watcher.trigger, "shared_stream_key", lambda: None)()
-                    keys[watcher.name] = repr(key)
+                    keys[watcher.name] = [repr(key), repr(watcher.trigger.serialize())]
         print(json.dumps({{"errors": bag.import_errors, "dags": sorted(bag.dag_ids), "keys": keys}}))
         """
     )
@@ -86,7 +88,11 @@ def test_devkit_dags_parse_and_join_the_example_stream(tmp_path: Path) -> None:
     assert report["errors"] == {}
     extra = more_watchers(6)
     assert set(report["dags"]) >= {pair_dag(asset) for asset in (*LATENCY_PAIR, *extra)}
-    keys = report["keys"]
-    example_stream = {keys[name] for name in (*extra, "kafka_orders_eu", "kafka_orders_valid")}
-    assert len(example_stream) == 1 and example_stream != {"None"}
-    assert keys[OURS_N1_ASSET] not in example_stream
+    keys = {name: key for name, (key, _) in report["keys"].items()}
+    triggers = {name: trigger for name, (_, trigger) in report["keys"].items()}
+    stream = (*extra, *WATCHERS)
+    assert {keys[name] for name in stream} == {keys["kafka_orders_eu"]} != {"None"}
+    assert len({triggers[name] for name in stream}) == len(stream) == 10
+    for name, role in extra.items():
+        assert f"'match': {{'body.region': {list(role.regions)!r}}}" in triggers[name]
+    assert keys[OURS_N1_ASSET] != keys["kafka_orders_eu"]
