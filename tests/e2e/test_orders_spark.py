@@ -7,6 +7,7 @@ aggregates.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -86,42 +87,111 @@ def test_a_run_processes_the_tail_its_triggering_events_miss() -> None:
     assert [row["message_id"] for row in order_rows(unique_envelopes(triggering))] == ["t/0/1"]
 
 
-def test_the_catch_up_reads_from_the_previous_success_minus_the_margin() -> None:
-    from datetime import datetime, timezone
+class StoredEvent:
+    """An asset event as the Execution API returns one: an id and the triggerer's timestamp."""
 
+    def __init__(self, event_id: int, timestamp: datetime) -> None:
+        self.id = event_id
+        self.timestamp = timestamp
+
+    def __repr__(self) -> str:
+        return f"StoredEvent({self.id})"
+
+
+class Accessor:
+    """
+    ``inlet_events[source]`` over stored events, filtered as Airflow 3.3.2's Execution API does
+    (``after`` inclusive, ordered by timestamp alone, ``limit``); records every request.
+    """
+
+    def __init__(self, events: list[StoredEvent]) -> None:
+        self.events = events
+        self.after_value: str | None = None
+        self.limit_value: int | None = None
+        self.requests: list[tuple[str | None, int | None]] = []
+
+    def after(self, value: str) -> Accessor:
+        self.after_value = value
+        return self
+
+    def limit(self, value: int) -> Accessor:
+        self.limit_value = value
+        return self
+
+    def ascending(self) -> list[StoredEvent]:
+        self.requests.append((self.after_value, self.limit_value))
+        after = datetime.fromisoformat(self.after_value) if self.after_value else None
+        found = sorted((e for e in self.events if after is None or e.timestamp >= after), key=lambda e: e.timestamp)
+        return found[: self.limit_value] if self.limit_value else found
+
+
+def test_the_catch_up_reads_from_the_previous_success_minus_the_margin() -> None:
     from orders_spark import CATCH_UP_MARGIN, events_since
 
-    class Accessor:
-        """Records what the task asks ``inlet_events[source]`` (the Execution API's filters)."""
-
-        def __init__(self) -> None:
-            self.after_value: str | None = None
-            self.ascending_called = False
-
-        def after(self, value: str) -> Accessor:
-            self.after_value = value
-            return self
-
-        def ascending(self) -> list[str]:
-            self.ascending_called = True
-            return ["e1", "e2"]
-
     previous = datetime(2026, 11, 26, 10, 0, tzinfo=timezone.utc)
-    accessor = Accessor()
-    assert events_since(accessor, previous) == ["e1", "e2"]
-    assert accessor.after_value == (previous - CATCH_UP_MARGIN).isoformat() and accessor.ascending_called
-    first_run = Accessor()
-    assert events_since(first_run, None) == ["e1", "e2"]
-    assert first_run.after_value is None  # before the first success: every stored event
+    stored = [StoredEvent(1, previous - CATCH_UP_MARGIN), StoredEvent(2, previous)]
+    accessor = Accessor(stored)
+    assert events_since(accessor, previous) == stored
+    assert accessor.requests[0][0] == (previous - CATCH_UP_MARGIN).isoformat()
+    first_run = Accessor(stored)
+    assert events_since(first_run, None) == stored
+    assert first_run.requests[0][0] is None  # before the first success: every stored event
     # What a task really gets: the context's lazy proxy, also when it stands for None.
     import lazy_object_proxy
 
-    proxied_none = Accessor()
-    assert events_since(proxied_none, lazy_object_proxy.Proxy(lambda: None)) == ["e1", "e2"]
-    assert proxied_none.after_value is None
-    proxied = Accessor()
+    proxied_none = Accessor(stored)
+    assert events_since(proxied_none, lazy_object_proxy.Proxy(lambda: None)) == stored
+    assert proxied_none.requests[0][0] is None
+    proxied = Accessor(stored)
     events_since(proxied, lazy_object_proxy.Proxy(lambda: previous))
-    assert proxied.after_value == (previous - CATCH_UP_MARGIN).isoformat()
+    assert proxied.requests[0][0] == (previous - CATCH_UP_MARGIN).isoformat()
+
+
+def test_the_catch_up_reads_in_pages_and_gets_every_event_once() -> None:
+    """
+    At 100 orders/s one request for everything since the mark took ~5 s (the Execution API
+    client's timeout) after 4 minutes: the read goes in pages, each from the last page's newest
+    timestamp (the API's ``after`` is inclusive, its order is by timestamp alone).
+    """
+    from orders_spark import events_since
+
+    start = datetime(2026, 11, 27, 5, 0, tzinfo=timezone.utc)
+    stamps = [start + timedelta(milliseconds=i // 3) for i in range(450)]  # three events per timestamp
+    stamps += [start + timedelta(seconds=10)] * 250  # more events on one timestamp than a page holds
+    stamps += [start + timedelta(seconds=11 + i) for i in range(5)]
+    stored = [StoredEvent(i, stamp) for i, stamp in enumerate(stamps)]
+    accessor = Accessor(stored)
+    read = events_since(accessor, None, page_size=100)
+    assert sorted(event.id for event in read) == list(range(len(stored)))  # every event, none twice
+    assert all(limit is not None and limit <= 400 for _, limit in accessor.requests)
+    assert len(accessor.requests) < 20
+    assert events_since(Accessor(stored[:99]), None, page_size=100) == stored[:99]  # one short page: done
+
+
+def test_the_progress_mark_and_the_events_already_written() -> None:
+    """
+    The Variable holds the mark and the ids of the events the run read within the margin before
+    it: the next run reads them again (the margin) and skips them, so a run's rows are what is
+    new, not the last 10 minutes again.
+    """
+    from orders_spark import CATCH_UP_MARGIN, parse_progress, parse_seen, progress_value, seen_within_margin
+
+    mark = datetime(2026, 11, 27, 1, 0, tzinfo=timezone.utc)
+    events = [
+        StoredEvent(7, mark - CATCH_UP_MARGIN - timedelta(microseconds=1)),  # not read again: not kept
+        StoredEvent(8, mark - CATCH_UP_MARGIN),
+        StoredEvent(9, (mark + timedelta(seconds=1)).replace(tzinfo=None)),  # naive: UTC
+    ]
+    seen = seen_within_margin(events, mark)
+    assert seen == [8, 9]
+    value = progress_value(mark, seen)
+    assert parse_progress(value) == mark
+    assert parse_seen(value) == {8, 9}
+    assert parse_seen(mark.isoformat()) == frozenset()  # the older bare mark: nothing skipped
+    for unreadable in (None, "", "{", "[1, 2]", '{"through": 3, "seen": "8"}', 42):
+        assert parse_seen(unreadable) == frozenset()
+        assert parse_progress(unreadable) is None
+    assert parse_seen('{"through": "x", "seen": [1, "2", true, 3]}') == {1, 3}
 
 
 def test_the_progress_mark_is_where_the_next_run_reads_from() -> None:
@@ -130,7 +200,6 @@ def test_the_progress_mark_is_where_the_next_run_reads_from() -> None:
     by logical date), so the pipeline keeps its own mark: an Airflow Variable written by
     ``record_progress`` after the batch is written, read by ``extract``.
     """
-    from datetime import datetime, timezone
 
     from orders_spark import parse_progress, progress_key
 
