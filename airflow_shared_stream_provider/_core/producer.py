@@ -8,6 +8,8 @@ drives the broker's hooks and keeps the loop's rules itself; a broker writes onl
 Required:
 
 * ``source_label()``: the stream's human-readable identity.
+* ``max_message_bytes`` (class attribute): the largest message the broker takes (the byte
+  budget's size estimate before the first message).
 * ``_connect_broker()``: connect and check the configuration (before the cohort: a bad setting fails fast).
 * ``_receive(count)``: one receive of at most ``count`` raw messages (a ``list``, empty when the
   broker had none); :class:`Received` when the broker needs per-receive facts (its start, a number).
@@ -18,7 +20,12 @@ Required:
 
 Optional (the default does nothing or the usual thing):
 
+* ``_after_cohort()``: async, once the cohort formed, before ``_receiving()``: open what must not
+  be opened before it (Service Bus: the connection and its receiver).
 * ``_receiving()``: start what runs beside the loop once the cohort formed (lease keeper, ack buffer).
+* ``_before_receive()``: async, each turn of the loop before the credit wait: work that must not
+  overlap a receive call nor wait for credit (Service Bus: the settlements and lock renewals
+  queued for the receiver's one owner); it may wait, for credit or for such work.
 * ``_admit(received)``: bookkeeping of a whole receive before any of it is broadcast (every receive,
   empty ones too); may drop messages (still counted as received) or raise to end the stream.
 * ``_check_stream()``: raise to end the stream before the next receive (a background failure).
@@ -30,7 +37,13 @@ Optional (the default does nothing or the usual thing):
   flight at once (0: awaited inline); ``receive_ahead``: start the next receive while a received
   batch is broadcast; ``_end_receives()``: what becomes of receives still travelling when the
   loop ends (default: cancelled).
-* ``lane_of`` / ``batch_lane_of`` if the broker has ordered lanes; ``sdk_buffered_messages``.
+* ``lane_of`` / ``batch_lane_of`` if the broker has ordered lanes; ``sdk_buffered_messages``
+  (messages an SDK prefetches outside the credit).
+* The poison cap and returning watchers (class attributes, explained where declared):
+  ``forgives_collateral_failures``, ``forgiveness_is_durable``, ``gives_back_missed_messages``;
+  ``attempt_key(delivery)`` (the id a message keeps across deliveries) and
+  ``competing_consumers()`` (whether two triggerers' streams of one key take messages from
+  each other: split detection).
 
 The rules the template keeps (a broker cannot break them): the cohort forms before the first
 receive; every receive asks for no more than the credit (less what receives still travelling
@@ -39,12 +52,24 @@ receive brought is counted as ``received``; a message's seq is taken right befor
 (nothing awaited in between); receive failures are retried with backoff for at most
 :data:`RECEIVE_ERROR_LIMIT` in a row; receives still travelling are ended when the loop ends.
 
-Kafka and Service Bus keep their own ``_messages`` (an allowed override: their receive is a
-consumer group's fetch / a set of session receivers, not yet ported onto the hooks); an override
-keeps the same rules by hand: :meth:`cohort_ready` first, credit (:meth:`wait_for_credit`,
-:meth:`credit`) before each receive, the seq (:meth:`stream_message` / :meth:`take_seq`)
-immediately before each yield, ``self.deferred.release_all()`` on an empty receive, and
-``received`` counted.
+Who runs the template: SQS, Pub/Sub, Redis and Service Bus without sessions. Two receive paths
+keep their own ``_messages`` (an allowed override, and the only ones):
+
+* Kafka (``producers/kafka.py``): its delivery is the stream message itself (one object, not
+  ``_to_delivery``'s pair), and each record is admitted at its yield, not per receive: whether it
+  is new (``lane.admit``: in flight, done or dead-lettered after a rewind's seek-back), its
+  attempt and its skip-for-late-watchers mark read the partition's lane as it is between yields,
+  while ``advance`` and rewinds change it; ``received`` counts only the admitted records. Its
+  credit wait also has a timeout that pauses the partitions and polls (a group member must poll).
+* Service Bus with sessions (``_session_messages``): the receives run in the session receivers'
+  own tasks (``servicebus_sessions.py``), each reserving its credit from a shared ``CreditPool``
+  before its receive call and counting what it received; the loop only broadcasts what they
+  received, with the credit reserved for it, so a credit wait there would be a second one.
+
+An override keeps the same rules by hand: :meth:`cohort_ready` first, credit
+(:meth:`wait_for_credit`, :meth:`credit`) before each receive, the seq (:meth:`stream_message` /
+:meth:`take_seq`) immediately before each yield, ``self.deferred.release_all()`` on an empty
+receive, and ``received`` counted.
 
 Everything else (batch mode, the outcome -> disposition mapping, the poison cap, the credit that
 keeps watcher queues from overflowing, counters and metrics) is here, once. That includes the
@@ -308,16 +333,18 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
     async def _messages(self) -> AsyncIterator[tuple[StreamMessage, Any]]:
         """
         Open, wait for the cohort, then receive forever: for each message yield ``(stream
-        message, delivery)``. The template every ported broker runs; its rules are in the module
-        docstring. Kafka and Service Bus override it (see there).
+        message, delivery)``. The template every broker runs but Kafka and Service Bus with
+        sessions (see the module docstring, which has its rules).
         """
         await self._connect_broker()
         await self.cohort_ready()  # before the first receive: see _core/cohort.py
+        await self._after_cohort()
         self._receiving()
         errors = ErrorStreak(self._receive_backoff(), limit=RECEIVE_ERROR_LIMIT)
         try:
             while True:
                 self._check_stream()
+                await self._before_receive()
                 # Receives are handed out in the order they were started.
                 for received in await self._next_receives():
                     if isinstance(received, BaseException):
@@ -435,8 +462,22 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
     # any other error of a receive ends the stream.
     receive_errors: ClassVar[tuple[type[BaseException], ...]] = ()
 
+    async def _after_cohort(self) -> None:
+        """
+        The cohort formed, before :meth:`_receiving` and the first receive: open what must not be
+        opened earlier (Service Bus reads its connection and opens its receiver only now).
+        """
+
     def _receiving(self) -> None:
         """The cohort formed, receives start: start what runs beside the loop (lease keeper, acks)."""
+
+    async def _before_receive(self) -> None:
+        """
+        Each turn of the loop, after :meth:`_check_stream`, before the credit wait and the receive:
+        work that must not overlap a receive call and must not wait for credit either (Service
+        Bus: the settlements and lock renewals queued for the receiver's one owner). May wait
+        itself, for credit or for such work; the loop then waits for credit as always.
+        """
 
     def _check_stream(self) -> None:
         """Before each receive: raise to end the stream (a failure found in the background)."""

@@ -107,7 +107,7 @@ from airflow_shared_stream_provider._core.errors import (
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.logsafe import log_safe
-from airflow_shared_stream_provider._core.producer import HELD_OVERHEAD, Decided, SharedStreamProducerBase
+from airflow_shared_stream_provider._core.producer import HELD_OVERHEAD, UNSENT, Decided, SharedStreamProducerBase
 from airflow_shared_stream_provider._core.tasks import best_effort, close_quietly, first_of
 from airflow_shared_stream_provider.producers.servicebus_connection import (
     ServiceBusConnectionInfo,
@@ -192,6 +192,11 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         self._prefetch_fitted = False
         self.close_timeout = CLOSE_TIMEOUT
         self.busy_wait = BUSY_WAIT
+        # Without sessions: the base's receive loop, up to max_message_count messages a receive, on
+        # the receiver it owns (opened after the cohort); whether the last receive came back empty.
+        self.max_receive = settings.max_message_count
+        self._owned: ServiceBusReceiver | None = None
+        self._idle = False
 
     def source_label(self) -> str:
         return self.settings.entity_path
@@ -355,74 +360,111 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         gate.expect_size(held)
         return True
 
-    # -- stream --------------------------------------------------------------------------------
-    async def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
-        await self.cohort_ready()
+    # -- stream: without sessions, the base's receive loop drives these hooks ---------------------
+    def _messages(self) -> AsyncIterator[tuple[Any, Any]]:
         if self.settings.sessions:
-            pool = await self._open_sessions()
-            while True:
-                session, raw = await pool.next_message()
-                # No await from here to the yield: the credit next_message handed over is used now.
-                yield self._session_item(session, raw)
-        receiver = await self._open()
-        settings = self.settings
-        counters = self.counters
-        entity_path = self.entity_path
-        idle = False
+            return self._session_messages()
+        return super()._messages()
+
+    async def _connect_broker(self) -> None:
+        """Nothing before the cohort: the connection is read and the receiver opened after it
+        (:meth:`_after_cohort`), as with sessions."""
+
+    async def _after_cohort(self) -> None:
+        self._owned = await self._open()
+
+    async def _before_receive(self) -> None:
+        """
+        The receiver's owner at work (see :mod:`.servicebus_owner`): settlements and renewals
+        first, they are what keeps locks valid and credit flowing; without credit, wait for it or
+        for such a request, whichever comes first.
+        """
+        receiver = self._owned
+        assert receiver is not None
         while True:
-            # Settlements and renewals first: they are what keeps locks valid and credit flowing.
             if self._requests:
                 await self._requests.run(receiver)
                 continue
             if self.credit() <= 0:
                 await self._wait_for_credit_or_requests()
                 continue
-            credit = await self.wait_for_credit()
-            # Wait long only when truly idle. While messages are in flight a settlement may be
-            # requested at any moment and it waits for this call to return; and right after a
-            # non-empty batch the SDK may hold fewer buffered messages than asked for, in which
-            # case it serves them only after the whole wait. A short wait costs no AMQP operation
-            # with prefetch (an empty receive sends no frame).
-            busy = bool(self._unsettled) or not idle
-            batch = await receive_batch(
-                receiver,
-                count=min(credit, settings.max_message_count),
-                wait=min(self.busy_wait, settings.max_wait_time) if busy else settings.max_wait_time,
-                busy=busy,
-                settings=settings,
-                counters=counters,
+            return
+
+    async def _receive(self, count: int) -> list[ServiceBusReceivedMessage]:
+        settings = self.settings
+        receiver = self._owned
+        assert receiver is not None
+        # Wait long only when truly idle. While messages are in flight a settlement may be
+        # requested at any moment and it waits for this call to return; and right after a
+        # non-empty batch the SDK may hold fewer buffered messages than asked for, in which
+        # case it serves them only after the whole wait. A short wait costs no AMQP operation
+        # with prefetch (an empty receive sends no frame).
+        busy = bool(self._unsettled) or not self._idle
+        batch = await receive_batch(
+            receiver,
+            count=count,
+            wait=min(self.busy_wait, settings.max_wait_time) if busy else settings.max_wait_time,
+            busy=busy,
+            settings=settings,
+            counters=self.counters,
+        )
+        self._idle = not batch
+        return batch
+
+    async def _admit(self, received: list[Any]) -> list[Any]:
+        """
+        Skip the prefetched messages whose lock expired in the SDK's buffer (counted as received,
+        never broadcast: the broker already made them available again); the others as
+        ``(message, seconds its lock has left, when it expires on the keeper's clock)``.
+        """
+        if not received:
+            return received
+        now = datetime.now(timezone.utc)
+        loop_now = self._keeper_now()  # the keeper's clock at the same moment
+        admitted = []
+        for raw in received:
+            left = lock_seconds_left(raw, now)
+            if left > 0:
+                admitted.append((raw, left, loop_now + left))
+        stale = len(received) - len(admitted)
+        if stale:
+            self.counters.add("stale_skipped", stale)
+            self.log.warning(
+                "%s: skipped %d prefetched message(s) whose lock expired in the buffer (they are "
+                "redelivered); lower prefetch_count if this repeats",
+                self.entity_path,
+                stale,
             )
-            idle = not batch
-            if not batch:
-                self.deferred.release_all()  # quiet entity: hold nothing (see _core/release.py)
-                continue
-            counters.add("received", len(batch))
-            now = datetime.now(timezone.utc)
-            loop_now = self._keeper_now()  # the keeper's clock at the same moment
-            stale = 0
-            for raw in batch:
-                left = lock_seconds_left(raw, now)
-                if left <= 0:
-                    # Expired while buffered: the broker already made it available again.
-                    stale += 1
-                    continue
-                lock_token = str(raw.lock_token)
-                if settings.renew_locks:
-                    self._keep_locks(left)
-                self._unsettled.add(lock_token, raw, lease_expires_at=loop_now + left)
-                fields = envelope_fields(raw, entity_path=entity_path)
-                envelope, forced = self.envelope(**fields)
-                lane: Hashable = raw.session_id if raw.session_id else raw.sequence_number
-                msg = self.stream_message(envelope, forced, fields["body"])
-                yield msg, ServiceBusDelivery(msg, fields["delivery_attempt"], raw, lock_token, lane)
-            if stale:
-                counters.add("stale_skipped", stale)
-                self.log.warning(
-                    "%s: skipped %d prefetched message(s) whose lock expired in the buffer (they are "
-                    "redelivered); lower prefetch_count if this repeats",
-                    entity_path,
-                    stale,
-                )
+        return admitted
+
+    def _to_delivery(
+        self, item: tuple[ServiceBusReceivedMessage, float, float], received: list[Any]
+    ) -> tuple[ServiceBusDelivery, dict[str, Any], str | None, object]:
+        raw, left, expires_at = item
+        lock_token = str(raw.lock_token)
+        if self.settings.renew_locks:
+            self._keep_locks(left)
+        self._unsettled.add(lock_token, raw, lease_expires_at=expires_at)
+        fields = envelope_fields(raw, entity_path=self.entity_path)
+        envelope, forced = self.envelope(**fields)
+        lane: Hashable = raw.session_id if raw.session_id else raw.sequence_number
+        delivery = ServiceBusDelivery(UNSENT, fields["delivery_attempt"], raw, lock_token, lane)
+        return delivery, envelope, forced, fields["body"]
+
+    async def _session_messages(self) -> AsyncIterator[tuple[Any, Any]]:
+        """
+        ``sessions=True``: the receives are the session receivers' own, each in its slot's task
+        (:mod:`.servicebus_sessions`), and each keeps the loop's receive rules there: it reserves
+        its credit (a :class:`CreditPool` share of the gate's) before its receive call and counts
+        what it received. This loop only broadcasts what they received, with the credit already
+        reserved for it, so it must not wait for credit itself.
+        """
+        await self.cohort_ready()
+        pool = await self._open_sessions()
+        while True:
+            session, raw = await pool.next_message()
+            # No await from here to the yield: the credit next_message handed over is used now.
+            yield self._session_item(session, raw)
 
     def sdk_buffered_messages(self) -> int:
         """The SDK's prefetch (:attr:`prefetch`), per receiver: one, or one per session held at once."""
