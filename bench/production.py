@@ -777,6 +777,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--rate", type=float, default=2.0, help="messages per second per broker")
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument(
+        "--batch-timeout",
+        type=float,
+        default=None,
+        help="the watchers' batch_timeout (default: the trigger's, 0.5 s); each watcher stores at least one "
+        "event per batch_timeout while orders flow",
+    )
     parser.add_argument("--chaos", choices=("once", "loop", "none"), default="loop")
     parser.add_argument("--chaos-every", type=float, default=180.0, help="seconds between actions (--chaos loop)")
     parser.add_argument("--actions", default=",".join(ACTIONS))
@@ -838,6 +845,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
         workdir=workdir,
         spark=args.spark,
         batch_size=args.batch_size,
+        batch_timeout=args.batch_timeout,
         upstream_kafka=args.upstream_kafka,
         pipeline=args.pipeline,
         more_watchers=args.more_watchers,

@@ -159,6 +159,7 @@ class ProductionTopology:
     :param workdir: where everything writes (Dags, ``AIRFLOW_HOME``, the pipeline's output).
     :param spark: ``standalone`` (master + 2 workers) or ``local`` (``local[2]`` in the task).
     :param batch_size: the watchers' ``batch_size`` (1: one asset event per message).
+    :param batch_timeout: the watchers' ``batch_timeout`` in seconds (None: the trigger's default).
     :param durable_db: PostgreSQL with its default durability (fsync on); ``False`` uses the test
         suite's ``FAST_SETTINGS`` (a crash of the *machine* could lose commits; a killed Airflow
         process cannot).
@@ -188,6 +189,7 @@ class ProductionTopology:
     workdir: Path
     spark: Literal["standalone", "local"] = "standalone"
     batch_size: int = 1
+    batch_timeout: float | None = None
     durable_db: bool = True
     startup_timeout: float = 420.0
     upstream_kafka: bool = False
@@ -316,6 +318,7 @@ class ProductionTopology:
             "ORDERS_OUTPUT_DIR": str(self.output_dir),
             "ORDERS_SPARK_CONN_ID": SPARK_CONN_ID,
             "ORDERS_BATCH_SIZE": str(self.batch_size),
+            "ORDERS_BATCH_TIMEOUT": "" if self.batch_timeout is None else str(self.batch_timeout),
             "ORDERS_MORE_WATCHERS": str(self.more_watchers),
         }
         for stream in self.streams.values():
@@ -373,6 +376,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--brokers", default="kafka,sqs,pubsub,redis", help="comma-separated: " + ",".join(STREAMS))
     parser.add_argument("--spark", choices=("standalone", "local"), default="standalone")
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-timeout", type=float, default=None, help="default: the trigger's")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
     parser.add_argument(
         "--upstream-kafka", action="store_true", help="also the latency pair (upstream's Kafka stream and ours, N=1)"
@@ -398,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workdir=workdir,
         spark=args.spark,
         batch_size=args.batch_size,
+        batch_timeout=args.batch_timeout,
         upstream_kafka=args.upstream_kafka,
         pipeline=args.pipeline,
         more_watchers=args.more_watchers,

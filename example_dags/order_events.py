@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 OUTPUT_DIR_ENV = "ORDERS_OUTPUT_DIR"
 BATCH_SIZE_ENV = "ORDERS_BATCH_SIZE"
+BATCH_TIMEOUT_ENV = "ORDERS_BATCH_TIMEOUT"
 FLUSH_AFTER_ENV = "ORDERS_FLUSH_AFTER"
 
 
@@ -38,9 +39,13 @@ def stream_options() -> dict[str, Any]:
     """
     Producer settings every example watcher of a stream shares (so they share one consumer):
     ``batch_size`` from ``$ORDERS_BATCH_SIZE`` (default 1, one envelope per asset event; the demo's
-    ``--batch-size``).
+    ``--batch-size``) and, when set, ``batch_timeout`` from ``$ORDERS_BATCH_TIMEOUT`` (seconds; the
+    trigger's default otherwise).
     """
-    return {"batch_size": int(os.environ.get(BATCH_SIZE_ENV) or 1)}
+    options: dict[str, Any] = {"batch_size": int(os.environ.get(BATCH_SIZE_ENV) or 1)}
+    if os.environ.get(BATCH_TIMEOUT_ENV):
+        options["batch_timeout"] = float(os.environ[BATCH_TIMEOUT_ENV])
+    return options
 
 
 def pipeline_flush_after() -> float:
