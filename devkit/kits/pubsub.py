@@ -1,0 +1,200 @@
+"""
+The Pub/Sub test kit: Google's emulator (``devkit.brokers.start_pubsub_emulator``), or the one
+``PUBSUB_EMULATOR_HOST`` names, the ``google_cloud_platform`` connection, and :class:`PubSubOrders`,
+one topic with its watched subscription and a dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, Final
+
+from devkit.brokers import BrokerProcess, start_pubsub_emulator
+from devkit.demo_types import OrderMessage
+from devkit.kits import BrokerKit, Item, KitStream
+
+PUBSUB_PROJECT: Final = "shared-stream-demo"
+PUBSUB_CONN_ID: Final = "google_cloud_default"
+EMULATOR_ENV: Final = "PUBSUB_EMULATOR_HOST"
+DEAD_LETTER_REASON: Final = "x-dead-letter-reason"
+DEAD_LETTER_MESSAGE_ID: Final = "x-dead-letter-message-id"
+
+
+def pubsub_connection(project: str = PUBSUB_PROJECT) -> dict[str, Any]:
+    return {"conn_type": "google_cloud_platform", "extra": {"project": project}}
+
+
+class PubSubOrders(KitStream):
+    """
+    A topic, its watched subscription and the dead-letter topic on a Pub/Sub endpoint (the
+    emulator: ``PUBSUB_EMULATOR_HOST`` must be set before this is built).
+
+    How :meth:`unacked` counts without touching the watched subscription: a *probe* subscription
+    on the same topic, created before anything is published, is sought to a snapshot of the
+    watched one (a snapshot holds exactly its unacknowledged messages, leased ones included) and
+    pulled dry. The watched subscription is never pulled, so counting neither steals messages from
+    the triggerer nor bumps their delivery attempts. ``probe=False`` leaves it out (and
+    :meth:`unacked` with it): a benchmark's emulator then keeps one copy of each message.
+    """
+
+    source_field = "subscription"
+    source_arg = "subscription"
+
+    def __init__(
+        self,
+        project: str = PUBSUB_PROJECT,
+        *,
+        name: str = "orders",
+        subscription: str | None = None,
+        ack_deadline: int = 30,
+        probe: bool = True,
+    ) -> None:
+        from google.pubsub_v1 import PublisherClient, SubscriberClient
+
+        self.publisher = PublisherClient()
+        self.subscriber = SubscriberClient()
+        self.topic = f"projects/{project}/topics/{name}"
+        self.subscription = f"projects/{project}/subscriptions/{subscription or f'{name}-airflow'}"
+        self.probe = f"projects/{project}/subscriptions/{name}-probe" if probe else None
+        self.dlq_topic = f"projects/{project}/topics/{name}-dlq"
+        self.dlq_subscription = f"projects/{project}/subscriptions/{name}-dlq-reader"
+        self._snapshot_base = f"projects/{project}/snapshots/{name}"
+        self._snapshots = 0
+        self.published: list[str] = []
+        self.dead: dict[str, str] = {}
+        self._lock = threading.Lock()
+        for topic in (self.topic, self.dlq_topic):
+            self.publisher.create_topic(request={"name": topic})
+        for sub, topic, deadline in (
+            (self.subscription, self.topic, ack_deadline),
+            (self.probe, self.topic, 600),
+            (self.dlq_subscription, self.dlq_topic, 600),
+        ):
+            if sub is not None:
+                self.subscriber.create_subscription(
+                    request={"name": sub, "topic": topic, "ack_deadline_seconds": deadline}
+                )
+
+    chunk_size = 500
+
+    def _send(self, chunk: list[Item]) -> list[str]:
+        """One publish request (Pub/Sub has no key here); the message ids."""
+        request = {"topic": self.topic, "messages": [{"data": body} for body, _ in chunk]}
+        return list(self.publisher.publish(request=request, timeout=60).message_ids)
+
+    def publish(
+        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
+    ) -> list[str]:
+        """Publish in order (one request per message when ``rate`` paces them); return the message ids."""
+        ids: list[str] = []
+
+        def record(_: Sequence[OrderMessage], sent: list[str]) -> None:
+            ids.extend(sent)
+            with self._lock:
+                self.published.extend(sent)
+
+        self.publish_orders(messages, record, rate=rate, stop=stop, keys=False)
+        return ids
+
+    def _pull_all(self, subscription: str) -> list[Any]:
+        from google.api_core import exceptions as gexc
+
+        received: list[Any] = []
+        while True:
+            try:
+                response = self.subscriber.pull(
+                    request={"subscription": subscription, "max_messages": 1000}, timeout=0.5
+                )
+            except gexc.DeadlineExceeded:
+                return received
+            if not response.received_messages:
+                return received
+            received.extend(response.received_messages)
+
+    def unacked(self) -> int:
+        """Unacknowledged messages of the watched subscription (see the class doc)."""
+        if self.probe is None:
+            raise RuntimeError(f"{self.subscription}: built without a probe subscription (probe=False)")
+        self._snapshots += 1
+        snapshot = f"{self._snapshot_base}-{self._snapshots}"
+        self.subscriber.create_snapshot(request={"name": snapshot, "subscription": self.subscription})
+        try:
+            self.subscriber.seek(request={"subscription": self.probe, "snapshot": snapshot})
+        finally:
+            self.subscriber.delete_snapshot(request={"snapshot": snapshot})
+        # The probe's messages stay unacked (its deadline is long): the next seek resets it anyway.
+        return len({r.message.message_id for r in self._pull_all(self.probe)})
+
+    def dead_letters(self) -> dict[str, str]:
+        """``source message id -> x-dead-letter-reason``, accumulated over every read of the DLQ."""
+        received = self._pull_all(self.dlq_subscription)
+        for r in received:
+            attributes = dict(r.message.attributes)
+            self.dead[attributes.get(DEAD_LETTER_MESSAGE_ID, r.message.message_id)] = attributes.get(
+                DEAD_LETTER_REASON, ""
+            )
+        if received:
+            self.subscriber.acknowledge(
+                request={"subscription": self.dlq_subscription, "ack_ids": [r.ack_id for r in received]}
+            )
+        return dict(self.dead)
+
+    def unsettled(self) -> int:
+        return self.unacked()
+
+    def diagnostics(self) -> str:
+        return f"{self.unacked()} message(s) unacknowledged in {self.subscription}"
+
+
+class PubSubKit(BrokerKit):
+    """
+    Google's emulator on a free loopback port, or the one ``PUBSUB_EMULATOR_HOST`` names when not
+    ``own``. Google's clients find the emulator through that variable, read when a client is
+    built: :meth:`start` sets it in this process and :meth:`stop` restores it.
+    """
+
+    name = "pubsub"
+
+    def __init__(self, *, own: bool | None = None, project: str = PUBSUB_PROJECT) -> None:
+        super().__init__(own=own)
+        self.project = project
+        self.process: BrokerProcess | None = None
+        self.address = ""
+        self._saved_env: str | None = None
+        self._env_set = False
+
+    def start(self) -> str:
+        configured = os.environ.get(EMULATOR_ENV)
+        if configured and not self.own:
+            self.address = configured
+            return f"Pub/Sub emulator {configured} ({EMULATOR_ENV})"
+        self.process = start_pubsub_emulator()
+        self.address = self.process.address
+        self._saved_env, self._env_set = os.environ.get(EMULATOR_ENV), True
+        os.environ[EMULATOR_ENV] = self.address
+        return f"Pub/Sub emulator {self.address}"
+
+    def stop(self) -> None:
+        if self._env_set:
+            if self._saved_env is None:
+                os.environ.pop(EMULATOR_ENV, None)
+            else:
+                os.environ[EMULATOR_ENV] = self._saved_env
+            self._env_set = False
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    def connection(self) -> dict[str, Any]:
+        return pubsub_connection(self.project)
+
+    def env(self) -> dict[str, str]:
+        return {EMULATOR_ENV: self.address}
+
+    def stream(
+        self, name: str, *, subscription: str | None = None, ack_deadline: int = 30, probe: bool = True
+    ) -> PubSubOrders:
+        """Topic ``name``, its subscription (``<name>-airflow`` by default) and dead-letter topic, created."""
+        return PubSubOrders(self.project, name=name, subscription=subscription, ack_deadline=ack_deadline, probe=probe)
