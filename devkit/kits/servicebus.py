@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from devkit.demo_types import OrderMessage
-from devkit.kits import BrokerKit, Item, KitStream, Sender
+from devkit.kits import BrokerKit, Item, OrdersById, Sender
 
 SERVICEBUS_QUEUE: Final = "orders"
 SERVICEBUS_DEAD_LETTER_QUEUE: Final = f"{SERVICEBUS_QUEUE}/$DeadLetterQueue"
@@ -34,7 +34,7 @@ def servicebus_connection(connection_string: str) -> dict[str, Any]:
 
 
 @dataclass
-class ServiceBusOrders(KitStream):
+class ServiceBusOrders(OrdersById):
     """One queue on a test broker: a publisher and the broker's record of it."""
 
     source_field = "queue"
@@ -87,17 +87,6 @@ class ServiceBusOrders(KitStream):
             client.get_queue_sender(self.queue) as sender,
         ):
             yield send_chunk
-
-    def publish(
-        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
-    ) -> None:
-        """Send in order, ``message_id`` = the order's key (the envelope's ``message_id``)."""
-
-        def record(orders: Sequence[OrderMessage], ids: list[str]) -> None:
-            with self._lock:
-                self.published.update(zip(ids, orders, strict=True))
-
-        self.publish_orders(messages, record, rate=rate, stop=stop)
 
     def backlog(self) -> int:
         """Messages still on the queue: available, locked by a receiver, or deferred."""

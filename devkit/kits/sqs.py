@@ -12,14 +12,13 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 from devkit.brokers import BrokerProcess, start_moto, stop_moto
 from devkit.demo_types import OrderMessage
-from devkit.kits import BrokerKit, Item, KitStream
+from devkit.kits import BrokerKit, Item, OrdersById
 from devkit.ports import free_port, wait_for_port
 
 SQS_REGION: Final = "us-east-1"
@@ -43,7 +42,7 @@ def sqs_connection(endpoint: str, region: str = SQS_REGION) -> dict[str, Any]:
 
 
 @dataclass
-class SqsOrders(KitStream):
+class SqsOrders(OrdersById):
     """A queue and its dead-letter queue on an SQS endpoint, read and written with boto3."""
 
     source_field = "queue_url"
@@ -82,24 +81,6 @@ class SqsOrders(KitStream):
             raise RuntimeError(f"SQS refused messages: {response['Failed']}")
         by_entry = {int(ok["Id"]): str(ok["MessageId"]) for ok in response["Successful"]}
         return [by_entry[i] for i in sorted(by_entry)]
-
-    def publish(
-        self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
-    ) -> dict[str, OrderMessage]:
-        """
-        Send in order, in batches of up to 10 (one message at a time when ``rate`` paces them);
-        return ``MessageId -> message`` (the envelope's ``message_id``).
-        """
-        sent: dict[str, OrderMessage] = {}
-
-        def record(orders: Sequence[OrderMessage], ids: list[str]) -> None:
-            batch = dict(zip(ids, orders, strict=True))
-            sent.update(batch)
-            with self._lock:
-                self.published.update(batch)
-
-        self.publish_orders(messages, record, rate=rate, stop=stop, keys=False)
-        return sent
 
     def backlog(self, queue_url: str) -> int:
         """Visible + in-flight messages of a queue."""
@@ -155,6 +136,7 @@ class SqsKit(BrokerKit):
     """
 
     name = "sqs"
+    address_env = ENDPOINT_ENV
 
     def __init__(self, *, own: bool | None = None, in_subprocess: bool = False, region: str = SQS_REGION) -> None:
         super().__init__(own=own)
@@ -162,27 +144,26 @@ class SqsKit(BrokerKit):
         self.region = region
         self.handle: BrokerProcess | None = None
         self.process: subprocess.Popen[bytes] | None = None
-        self.endpoint = ""
 
-    def start(self) -> str:
+    @property
+    def endpoint(self) -> str:
+        return self.address
+
+    def _start_own(self) -> str:
         import logging
 
-        configured = os.environ.get(ENDPOINT_ENV)
-        if configured and not self.own:
-            self.endpoint = configured
-            return f"SQS endpoint {configured} ({ENDPOINT_ENV})"
         if self.in_subprocess:
             port = free_port()
             binary = Path(sys.executable).parent / "moto_server"
             self.process = _popen([str(binary), "-H", "127.0.0.1", "-p", str(port)])
             wait_for_port(port, timeout=60)
-            self.endpoint = f"http://127.0.0.1:{port}"
-            return f"moto_server {self.endpoint}"
+            self.address = f"http://127.0.0.1:{port}"
+            return f"moto_server {self.address}"
         # moto's HTTP server logs every request through werkzeug: noise in the progress display.
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
         self.handle = start_moto()
-        self.endpoint = self.handle.address
-        return f"SQS endpoint (moto server) {self.endpoint}"
+        self.address = self.handle.address
+        return f"SQS endpoint (moto server) {self.address}"
 
     def stop(self) -> None:
         if self.handle is not None:
