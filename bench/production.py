@@ -782,7 +782,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="the watchers' batch_timeout (default: the trigger's, 0.5 s); each watcher stores at least one "
-        "event per batch_timeout while orders flow",
+        "event per batch_timeout and lane (Kafka partition) while orders flow",
+    )
+    parser.add_argument(
+        "--max-payload-bytes",
+        type=int,
+        default=None,
+        help="the watchers' max_payload_bytes (default: the trigger's, 64 KiB): a batch is cut before it",
     )
     parser.add_argument("--chaos", choices=("once", "loop", "none"), default="loop")
     parser.add_argument("--chaos-every", type=float, default=180.0, help="seconds between actions (--chaos loop)")
@@ -846,6 +852,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
         spark=args.spark,
         batch_size=args.batch_size,
         batch_timeout=args.batch_timeout,
+        max_payload_bytes=args.max_payload_bytes,
         upstream_kafka=args.upstream_kafka,
         pipeline=args.pipeline,
         more_watchers=args.more_watchers,

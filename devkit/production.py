@@ -160,6 +160,7 @@ class ProductionTopology:
     :param spark: ``standalone`` (master + 2 workers) or ``local`` (``local[2]`` in the task).
     :param batch_size: the watchers' ``batch_size`` (1: one asset event per message).
     :param batch_timeout: the watchers' ``batch_timeout`` in seconds (None: the trigger's default).
+    :param max_payload_bytes: the watchers' ``max_payload_bytes`` (None: the trigger's default, 64 KiB).
     :param durable_db: PostgreSQL with its default durability (fsync on); ``False`` uses the test
         suite's ``FAST_SETTINGS`` (a crash of the *machine* could lose commits; a killed Airflow
         process cannot).
@@ -190,6 +191,7 @@ class ProductionTopology:
     spark: Literal["standalone", "local"] = "standalone"
     batch_size: int = 1
     batch_timeout: float | None = None
+    max_payload_bytes: int | None = None
     durable_db: bool = True
     startup_timeout: float = 420.0
     upstream_kafka: bool = False
@@ -319,6 +321,7 @@ class ProductionTopology:
             "ORDERS_SPARK_CONN_ID": SPARK_CONN_ID,
             "ORDERS_BATCH_SIZE": str(self.batch_size),
             "ORDERS_BATCH_TIMEOUT": "" if self.batch_timeout is None else str(self.batch_timeout),
+            "ORDERS_MAX_PAYLOAD_BYTES": "" if self.max_payload_bytes is None else str(self.max_payload_bytes),
             "ORDERS_MORE_WATCHERS": str(self.more_watchers),
         }
         for stream in self.streams.values():
@@ -377,6 +380,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spark", choices=("standalone", "local"), default="standalone")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--batch-timeout", type=float, default=None, help="default: the trigger's")
+    parser.add_argument("--max-payload-bytes", type=int, default=None, help="default: the trigger's")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
     parser.add_argument(
         "--upstream-kafka", action="store_true", help="also the latency pair (upstream's Kafka stream and ours, N=1)"
@@ -403,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spark=args.spark,
         batch_size=args.batch_size,
         batch_timeout=args.batch_timeout,
+        max_payload_bytes=args.max_payload_bytes,
         upstream_kafka=args.upstream_kafka,
         pipeline=args.pipeline,
         more_watchers=args.more_watchers,

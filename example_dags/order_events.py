@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 OUTPUT_DIR_ENV = "ORDERS_OUTPUT_DIR"
 BATCH_SIZE_ENV = "ORDERS_BATCH_SIZE"
 BATCH_TIMEOUT_ENV = "ORDERS_BATCH_TIMEOUT"
+MAX_PAYLOAD_BYTES_ENV = "ORDERS_MAX_PAYLOAD_BYTES"
 FLUSH_AFTER_ENV = "ORDERS_FLUSH_AFTER"
 
 
@@ -39,12 +40,14 @@ def stream_options() -> dict[str, Any]:
     """
     Producer settings every example watcher of a stream shares (so they share one consumer):
     ``batch_size`` from ``$ORDERS_BATCH_SIZE`` (default 1, one envelope per asset event; the demo's
-    ``--batch-size``) and, when set, ``batch_timeout`` from ``$ORDERS_BATCH_TIMEOUT`` (seconds; the
-    trigger's default otherwise).
+    ``--batch-size``) and, when set, ``batch_timeout`` from ``$ORDERS_BATCH_TIMEOUT`` (seconds) and
+    ``max_payload_bytes`` from ``$ORDERS_MAX_PAYLOAD_BYTES`` (the trigger's defaults otherwise).
     """
     options: dict[str, Any] = {"batch_size": int(os.environ.get(BATCH_SIZE_ENV) or 1)}
     if os.environ.get(BATCH_TIMEOUT_ENV):
         options["batch_timeout"] = float(os.environ[BATCH_TIMEOUT_ENV])
+    if os.environ.get(MAX_PAYLOAD_BYTES_ENV):
+        options["max_payload_bytes"] = int(os.environ[MAX_PAYLOAD_BYTES_ENV])
     return options
 
 

@@ -137,11 +137,14 @@ def order_rows(envelopes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 # double counting: the events that run read are skipped by id (Progress.seen) and the order_id
 # keys drop anything else stored twice. It bounds how much a run reads to what is new plus this.
 CATCH_UP_MARGIN = timedelta(minutes=10)
-# Events per Execution API request of the catch-up read. One request for everything since the
-# mark grows with the rate (at 100 orders/s in batch mode, 10 minutes of events are ~25 MB) and
-# passes the task's Execution API client timeout ([workers] execution_api_timeout, 5 s by
-# default); pages of this many stay far under it (~3.5 MB at 50 orders per event).
+# The catch-up read goes in pages. One request for everything since the mark grows with the rate
+# (at 100 orders/s in batch mode, 10 minutes of events are ~25 MB) and passed the task's Execution
+# API client timeout ([workers] execution_api_timeout, 5 s by default). A page asks for
+# READ_PAGE_SIZE events first, then for as many as make about READ_PAGE_BYTES of event JSON at
+# the sizes seen so far (a batch event holds up to max_payload_bytes: 64 KiB by default).
 READ_PAGE_SIZE = 200
+READ_PAGE_BYTES = 2 * 1024 * 1024
+MIN_READ_PAGE_SIZE = 10
 
 
 def progress_key(dag_id: str) -> str:
@@ -204,11 +207,28 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
+def event_bytes(event: Any) -> int:
+    """About how many bytes an event weighs in the Execution API's answer: its ``extra`` as JSON."""
+    try:
+        return len(json.dumps(getattr(event, "extra", None), separators=(",", ":"), default=str)) + 200
+    except (TypeError, ValueError):
+        return 1024
+
+
+def next_page_size(page: list[Any], asked: int, page_bytes: int = READ_PAGE_BYTES) -> int:
+    """How many events the next page asks for: about ``page_bytes`` at the sizes of ``page``."""
+    if not page:
+        return asked
+    average = max(1, sum(event_bytes(event) for event in page) // len(page))
+    return max(MIN_READ_PAGE_SIZE, min(READ_PAGE_SIZE * 5, page_bytes // average))
+
+
 def events_since(accessor: Any, previous_success_start: datetime | None, page_size: int = READ_PAGE_SIZE) -> list[Any]:
     """
     The source's asset events since ``previous_success_start`` minus :data:`CATCH_UP_MARGIN`
     (all of them before the first successful run), oldest first, through the task's
-    ``inlet_events[source]`` accessor (Airflow's Execution API), read in pages of ``page_size``.
+    ``inlet_events[source]`` accessor (Airflow's Execution API), read in pages: the first of
+    ``page_size`` events, the next ones sized to :data:`READ_PAGE_BYTES` (:func:`next_page_size`).
 
     The API's ``after`` is inclusive and orders by timestamp alone, so each page starts at the
     last page's newest timestamp: the events on that boundary come again and are dropped by id.
@@ -231,6 +251,8 @@ def events_since(accessor: Any, previous_success_start: datetime | None, page_si
         newest = _aware(page[-1].timestamp).isoformat()
         if newest == after:
             page_size *= 2
+        else:
+            page_size = next_page_size(page, page_size)
         after = newest
 
 

@@ -168,6 +168,22 @@ def test_the_catch_up_reads_in_pages_and_gets_every_event_once() -> None:
     assert events_since(Accessor(stored[:99]), None, page_size=100) == stored[:99]  # one short page: done
 
 
+def test_catch_up_pages_are_sized_in_bytes() -> None:
+    """After the first page, a page asks for about READ_PAGE_BYTES of events at the sizes seen."""
+    from orders_spark import MIN_READ_PAGE_SIZE, READ_PAGE_BYTES, next_page_size
+
+    def event_of(size: int) -> StoredEvent:
+        event = StoredEvent(1, datetime(2026, 11, 27, tzinfo=timezone.utc))
+        event.extra = {"payload": "x" * size}  # type: ignore[attr-defined]
+        return event
+
+    big = next_page_size([event_of(150_000)] * 3, 200)  # batch events at a 256 KiB cap
+    assert MIN_READ_PAGE_SIZE <= big <= READ_PAGE_BYTES // 150_000 + 1
+    assert next_page_size([event_of(400)] * 3, 200) >= 200  # per-message events: bigger pages
+    assert next_page_size([event_of(10_000_000)], 200) == MIN_READ_PAGE_SIZE
+    assert next_page_size([], 123) == 123
+
+
 def test_the_progress_mark_and_the_events_already_written() -> None:
     """
     The Variable holds the mark and the ids of the events the run read within the margin before
