@@ -90,9 +90,10 @@ def test_a_run_processes_the_tail_its_triggering_events_miss() -> None:
 class StoredEvent:
     """An asset event as the Execution API returns one: an id and the triggerer's timestamp."""
 
-    def __init__(self, event_id: int, timestamp: datetime) -> None:
+    def __init__(self, event_id: int, timestamp: datetime, extra: dict[str, Any] | None = None) -> None:
         self.id = event_id
         self.timestamp = timestamp
+        self.extra = extra or {}
 
     def __repr__(self) -> str:
         return f"StoredEvent({self.id})"
@@ -160,10 +161,14 @@ def test_the_catch_up_reads_in_pages_and_gets_every_event_once() -> None:
     stamps += [start + timedelta(seconds=10)] * 250  # more events on one timestamp than a page holds
     stamps += [start + timedelta(seconds=11 + i) for i in range(5)]
     stored = [StoredEvent(i, stamp) for i, stamp in enumerate(stamps)]
+    for event in stored:  # ~20 KB each: pages sized in bytes stay near 100 events
+        event.extra = {"payload": "x" * 20_000}
     accessor = Accessor(stored)
     read = events_since(accessor, None, page_size=100)
     assert sorted(event.id for event in read) == list(range(len(stored)))  # every event, none twice
-    assert all(limit is not None and limit <= 400 for _, limit in accessor.requests)
+    limits = [limit or 0 for _, limit in accessor.requests]
+    assert all(0 < limit <= 500 for limit in limits)  # ~2 MB, doubled twice at most
+    assert max(limits) > 200  # the block of 250 on one timestamp doubled a page
     assert len(accessor.requests) < 20
     assert events_since(Accessor(stored[:99]), None, page_size=100) == stored[:99]  # one short page: done
 
@@ -173,9 +178,7 @@ def test_catch_up_pages_are_sized_in_bytes() -> None:
     from orders_spark import MIN_READ_PAGE_SIZE, READ_PAGE_BYTES, next_page_size
 
     def event_of(size: int) -> StoredEvent:
-        event = StoredEvent(1, datetime(2026, 11, 27, tzinfo=timezone.utc))
-        event.extra = {"payload": "x" * size}  # type: ignore[attr-defined]
-        return event
+        return StoredEvent(1, datetime(2026, 11, 27, tzinfo=timezone.utc), {"payload": "x" * size})
 
     big = next_page_size([event_of(150_000)] * 3, 200)  # batch events at a 256 KiB cap
     assert MIN_READ_PAGE_SIZE <= big <= READ_PAGE_BYTES // 150_000 + 1
