@@ -24,8 +24,8 @@ The orders data pipeline on Spark (PySpark), fed by a shared-stream asset.
    covers events committed after they were stamped) and skips them, so its rows are the new
    orders only, not the last 10 minutes again (at 100 orders/s, 57,000 rows a run).
 
-``extract`` reads the source's events in pages of :data:`READ_PAGE_SIZE` (one request for 10
-minutes of events at 100 orders/s is ~25 MB and passes that 5 s timeout).
+``extract`` reads the source's events in pages of about :data:`READ_PAGE_BYTES` (one request for
+10 minutes of events at 100 orders/s is ~25 MB and passes that 5 s timeout).
 
 Idempotency (a re-run, a retry, a redelivered message or an order published twice never
 double-counts). The idempotency key is the business key ``order_id``, not the ``message_id``: a
@@ -139,12 +139,14 @@ def order_rows(envelopes: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 CATCH_UP_MARGIN = timedelta(minutes=10)
 # The catch-up read goes in pages. One request for everything since the mark grows with the rate
 # (at 100 orders/s in batch mode, 10 minutes of events are ~25 MB) and passed the task's Execution
-# API client timeout ([workers] execution_api_timeout, 5 s by default). A page asks for
-# READ_PAGE_SIZE events first, then for as many as make about READ_PAGE_BYTES of event JSON at
-# the sizes seen so far (a batch event holds up to max_payload_bytes: 64 KiB by default).
-READ_PAGE_SIZE = 200
-READ_PAGE_BYTES = 2 * 1024 * 1024
-MIN_READ_PAGE_SIZE = 10
+# API client timeout ([workers] execution_api_timeout, 5 s by default). The first page asks for
+# READ_PAGE_SIZE events, each next one for as many as make about READ_PAGE_BYTES of event JSON at
+# the sizes seen so far: a batch event holds up to max_payload_bytes (64 KiB by default; at a
+# 256 KiB cap 200 events were 30 MB, which the API server took 7-36 s to send on a loaded machine).
+READ_PAGE_SIZE = 10
+READ_PAGE_BYTES = 1024 * 1024
+MIN_READ_PAGE_SIZE = 5
+MAX_READ_PAGE_SIZE = 1000
 
 
 def progress_key(dag_id: str) -> str:
@@ -220,7 +222,7 @@ def next_page_size(page: list[Any], asked: int, page_bytes: int = READ_PAGE_BYTE
     if not page:
         return asked
     average = max(1, sum(event_bytes(event) for event in page) // len(page))
-    return max(MIN_READ_PAGE_SIZE, min(READ_PAGE_SIZE * 5, page_bytes // average))
+    return max(MIN_READ_PAGE_SIZE, min(MAX_READ_PAGE_SIZE, page_bytes // average))
 
 
 def events_since(accessor: Any, previous_success_start: datetime | None, page_size: int = READ_PAGE_SIZE) -> list[Any]:
