@@ -80,7 +80,14 @@ from devkit.demo import (
 )
 from devkit.demo_streams import DemoStream
 from devkit.latency import Hops, envelopes, summary, to_epoch
-from devkit.production import LATENCY_PAIR, MessageFacts, ProductionTopology, WatcherRole, pair_dag
+from devkit.production import (
+    LATENCY_PAIR,
+    MessageFacts,
+    ProductionTopology,
+    WatcherRole,
+    add_topology_arguments,
+    pair_dag,
+)
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 RESULTS: Final = ROOT / "bench" / "results"
@@ -773,50 +780,15 @@ def latency(topology: ProductionTopology, broker: str, publisher: Publisher, sta
 # -- the run --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.production", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--brokers", default="kafka,sqs,pubsub,redis")
+    add_topology_arguments(parser)  # --brokers, --spark, --batch-size, ..., --ha
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--rate", type=float, default=2.0, help="messages per second per broker")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument(
-        "--batch-timeout",
-        type=float,
-        default=None,
-        help="the watchers' batch_timeout (default: the trigger's, 0.5 s); each watcher stores at least one "
-        "event per batch_timeout and lane (Kafka partition) while orders flow",
-    )
-    parser.add_argument(
-        "--max-payload-bytes",
-        type=int,
-        default=None,
-        help="the watchers' max_payload_bytes (default: the trigger's, 64 KiB): a batch is cut before it",
-    )
     parser.add_argument("--chaos", choices=("once", "loop", "none"), default="loop")
     parser.add_argument("--chaos-every", type=float, default=180.0, help="seconds between actions (--chaos loop)")
     parser.add_argument("--actions", default=",".join(ACTIONS))
     parser.add_argument("--pause-seconds", type=float, default=60.0)
     parser.add_argument("--drain-timeout", type=float, default=900.0)
-    parser.add_argument("--spark", choices=("standalone", "local"), default="standalone")
     parser.add_argument("--stress", type=int, default=0, help="CPU-burning processes beside the topology")
-    parser.add_argument(
-        "--upstream-kafka",
-        action="store_true",
-        help="also the latency pair: upstream's Kafka stream and ours, one watcher and one light task each",
-    )
-    parser.add_argument(
-        "--no-pipeline",
-        dest="pipeline",
-        action="store_false",
-        help="without the example Dags: only the latency pair (requires --upstream-kafka and kafka)",
-    )
-    parser.add_argument(
-        "--more-watchers",
-        type=int,
-        default=0,
-        help="that many more watchers (one-task consumer Dags) on the example Kafka stream: 6 make 10",
-    )
-    parser.add_argument(
-        "--ha", choices=("kafka-ha", "recipe"), default=None, help="how the two triggerers share watchers"
-    )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--keep-files", action="store_true")
@@ -846,18 +818,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
         raise SystemExit("--no-pipeline runs the latency pair alone: give --upstream-kafka, kafka and --chaos none")
     workdir = Path(tempfile.mkdtemp(prefix="bench-production-"))
     seconds = args.minutes * 60.0
-    topology = ProductionTopology(
-        brokers=brokers,
-        workdir=workdir,
-        spark=args.spark,
-        batch_size=args.batch_size,
-        batch_timeout=args.batch_timeout,
-        max_payload_bytes=args.max_payload_bytes,
-        upstream_kafka=args.upstream_kafka,
-        pipeline=args.pipeline,
-        more_watchers=args.more_watchers,
-        ha=args.ha,
-    )
+    topology = ProductionTopology.from_args(args, brokers, workdir)
     result: dict[str, Any] = {
         "args": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -363,6 +363,22 @@ class ProductionTopology:
         self._env.wait_for_watchers(watchers, timeout=self.startup_timeout)
         say(f"  {len(dag_ids)} Dags unpaused; {len(watchers)} watchers running")
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, brokers: Sequence[str], workdir: Path) -> ProductionTopology:
+        """The topology :func:`add_topology_arguments`' options describe."""
+        return cls(
+            brokers=brokers,
+            workdir=workdir,
+            spark=args.spark,
+            batch_size=args.batch_size,
+            batch_timeout=args.batch_timeout,
+            max_payload_bytes=args.max_payload_bytes,
+            upstream_kafka=args.upstream_kafka,
+            pipeline=args.pipeline,
+            more_watchers=args.more_watchers,
+            ha=args.ha,
+        )
+
     def stop(self) -> None:
         if self._env is not None:
             self._env.stop()
@@ -374,22 +390,50 @@ class ProductionTopology:
             self.postgres.stop()
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m devkit.production", description=__doc__.split("\n\n")[0])
+def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of :meth:`ProductionTopology.from_args` (this module's command and ``bench.production``)."""
     parser.add_argument("--brokers", default="kafka,sqs,pubsub,redis", help="comma-separated: " + ",".join(STREAMS))
     parser.add_argument("--spark", choices=("standalone", "local"), default="standalone")
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--batch-timeout", type=float, default=None, help="default: the trigger's")
-    parser.add_argument("--max-payload-bytes", type=int, default=None, help="default: the trigger's")
+    parser.add_argument(
+        "--batch-timeout",
+        type=float,
+        default=None,
+        help="the watchers' batch_timeout (default: the trigger's, 0.5 s); each watcher stores at least one "
+        "event per batch_timeout and lane (Kafka partition) while orders flow",
+    )
+    parser.add_argument(
+        "--max-payload-bytes",
+        type=int,
+        default=None,
+        help="the watchers' max_payload_bytes (default: the trigger's, 64 KiB): a batch is cut before it",
+    )
+    parser.add_argument(
+        "--upstream-kafka",
+        action="store_true",
+        help="also the latency pair: upstream's Kafka stream and ours, one watcher and one light task each",
+    )
+    parser.add_argument(
+        "--no-pipeline",
+        dest="pipeline",
+        action="store_false",
+        help="without the example Dags: only the latency pair (requires --upstream-kafka and kafka)",
+    )
+    parser.add_argument(
+        "--more-watchers",
+        type=int,
+        default=0,
+        help="that many more watchers (one-task consumer Dags) on the example Kafka stream: 6 make 10",
+    )
+    parser.add_argument(
+        "--ha", choices=("kafka-ha", "recipe"), default=None, help="how the two triggerers share watchers"
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m devkit.production", description=__doc__.split("\n\n")[0])
+    add_topology_arguments(parser)
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
-    parser.add_argument(
-        "--upstream-kafka", action="store_true", help="also the latency pair (upstream's Kafka stream and ours, N=1)"
-    )
-    parser.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="only the latency pair")
-    parser.add_argument(
-        "--more-watchers", type=int, default=0, help="that many more watchers on the example Kafka stream"
-    )
-    parser.add_argument("--ha", choices=("kafka-ha", "recipe"), default=None, help="default: by the brokers")
     return parser.parse_args(argv)
 
 
@@ -401,18 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
-    topology = ProductionTopology(
-        brokers=args.brokers.split(","),
-        workdir=workdir,
-        spark=args.spark,
-        batch_size=args.batch_size,
-        batch_timeout=args.batch_timeout,
-        max_payload_bytes=args.max_payload_bytes,
-        upstream_kafka=args.upstream_kafka,
-        pipeline=args.pipeline,
-        more_watchers=args.more_watchers,
-        ha=args.ha,
-    )
+    topology = ProductionTopology.from_args(args, args.brokers.split(","), workdir)
     try:
         print("starting the production topology ...", flush=True)
         topology.start()
