@@ -439,7 +439,9 @@ def batch_id_for(run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
 
 
-def pipeline_hops(topology: ProductionTopology, broker: str) -> dict[str, Hops]:
+def pipeline_hops(
+    topology: ProductionTopology, broker: str, delivered: Mapping[str, Deliveries] | None = None
+) -> dict[str, Hops]:
     """
     Per order in the output table: its first asset event (the pipeline's watcher), and the run
     that **wrote** it (its ``batch_id``): queued, ``extract`` started, ``aggregate`` ended.
@@ -455,7 +457,9 @@ def pipeline_hops(topology: ProductionTopology, broker: str) -> dict[str, Hops]:
         batch_id_for(run_id): hop
         for run_id, hop in run_times(topology, stream.spark_dag, "extract", "aggregate").items()
     }
-    events = delivered_per_watcher(topology, broker)[stream.watcher_name("kafka_orders_valid")].first
+    # ``delivered``: delivered_per_watcher's answer when the caller has it (one read of every watcher's events).
+    delivered = delivered if delivered is not None else delivered_per_watcher(topology, broker)
+    events = delivered[stream.watcher_name("kafka_orders_valid")].first
     path = topology.output_dir / broker / "order_lines"
     if not path.exists() or not any(path.glob("batch_id=*/*.parquet")):
         return {}
@@ -765,10 +769,11 @@ def hop_latency(hops: Mapping[str, Hops], sent_at: Mapping[str, float], started:
 
 def latency(topology: ProductionTopology, broker: str, publisher: Publisher, started: float) -> dict[str, Any]:
     sent_at = first_sent(publisher)
-    hops = pipeline_hops(topology, broker)
+    delivered = delivered_per_watcher(topology, broker)
+    hops = pipeline_hops(topology, broker, delivered)
     per_watcher = {
         watcher: summary([stamp - sent_at[o] for o, stamp in seen.first.items() if o in sent_at])
-        for watcher, seen in delivered_per_watcher(topology, broker).items()
+        for watcher, seen in delivered.items()
     }
     return {
         **hop_latency(hops, sent_at, started),

@@ -179,7 +179,7 @@ def parse_progress(value: Any) -> datetime | None:
         parsed = datetime.fromisoformat(through)
     except ValueError:
         return None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+    return _aware(parsed)
 
 
 def parse_seen(value: Any) -> frozenset[int]:
