@@ -49,7 +49,10 @@ CONN_ID = "kafka_two"
 TOPIC = "two-triggerers"
 PARTITIONS = 3
 WATCHERS = tuple(f"two_{index:02d}" for index in range(20))
-RATE = 10.0  # messages per second, round robin over the partitions
+# Messages per second, round robin over the partitions. Every message is 20 asset events (one DB
+# session each): 5/s keeps a loaded 2-core CI machine's triggerers near their pace; the kill-loop
+# figures in docs/reliability.md were measured at 10 (TWO_TRIGGERERS_RATE=10).
+RATE = float(os.environ.get("TWO_TRIGGERERS_RATE", "5"))
 
 
 class Publisher(threading.Thread):
@@ -162,6 +165,25 @@ def missing_per_watcher(seen: dict[str, Counter[str]], published: set[str]) -> d
     return {name: len(published - set(counts)) for name, counts in seen.items() if published - set(counts)}
 
 
+def wait_for_every_message(env: AirflowEnv, published: set[str], *, stalled_for: float = 180) -> dict[str, Counter[str]]:
+    """
+    Wait until every watcher has every message of ``published``; returns :func:`deliveries`.
+
+    The triggerer that is left carries the watchers and the backlog a kill left (one DB session
+    per asset event): it catches up at the machine's pace. Lost means no progress for
+    ``stalled_for`` seconds with messages still missing, not a fixed deadline.
+    """
+    last_total, last_progress = -1, time.monotonic()
+    while missing := missing_per_watcher(seen := deliveries(env), published):
+        total = sum(len(counts) for counts in seen.values())
+        if total > last_total:
+            last_total, last_progress = total, time.monotonic()
+        elif time.monotonic() - last_progress > stalled_for:
+            raise AssertionError(f"lost per watcher: {missing} (no progress for {stalled_for:.0f} s)")
+        time.sleep(5)
+    return seen
+
+
 def test_watchers_moved_from_a_killed_triggerer_lose_nothing(two_triggerers: tuple[AirflowEnv, str]) -> None:
     env, bootstrap = two_triggerers
     job_a = env.latest_triggerer_job_id()
@@ -203,19 +225,17 @@ def test_watchers_moved_from_a_killed_triggerer_lose_nothing(two_triggerers: tup
     assert publisher.error is None, publisher.error
     published = set(publisher.ids)
 
-    def complete() -> dict[str, Counter[str]] | None:
-        seen = deliveries(env)
-        return None if missing_per_watcher(seen, published) else seen
-
+    caught_up_from = time.monotonic()
     try:
-        seen = env.wait_until(complete, timeout=300, what="every watcher to have every message", interval=3)
-    except Exception:
-        missing = missing_per_watcher(deliveries(env), published)
-        raise AssertionError(f"lost per watcher: {missing}\n{env.log_tails(80)}") from None
+        seen = wait_for_every_message(env, published)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{env.log_tails(80)}") from None
+    catch_up = time.monotonic() - caught_up_from
     dups = {name: sum(counts.values()) - len(counts) for name, counts in seen.items()}
     rewinds = env.components["triggerer-b"].log_text().count("late watcher(s); rewound {")
     print(
         f"\nTWO TRIGGERERS: messages={len(published)} watchers=20 lost=0 moved_after={moved_after:.0f}s "
+        f"catch_up_after_publishing={catch_up:.0f}s "
         f"rewind_logs={rewinds} dup_total={sum(dups.values())} dup_per_watcher={sorted(dups.values())}"
     )
 
@@ -303,18 +323,11 @@ def test_two_triggerers_killed_in_turn_and_one_stalled_lose_nothing(two_triggere
     assert publisher.error is None, publisher.error
     published = set(publisher.ids)
 
-    # One triggerer now carries all 20 watchers and the backlog the kills left (20 events per
-    # message, one DB session each): it catches up at the machine's pace. Lost means no progress
-    # for 3 minutes with messages still missing, not a fixed deadline.
     caught_up_from = time.monotonic()
-    last_total, last_progress = -1, time.monotonic()
-    while missing := missing_per_watcher(seen := deliveries(env), published):
-        total = sum(len(counts) for counts in seen.values())
-        if total > last_total:
-            last_total, last_progress = total, time.monotonic()
-        elif time.monotonic() - last_progress > 180:
-            raise AssertionError(f"lost per watcher: {missing}; {recoveries}\n{env.log_tails(80)}")
-        time.sleep(5)
+    try:
+        seen = wait_for_every_message(env, published)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {recoveries}\n{env.log_tails(80)}") from None
     catch_up = time.monotonic() - caught_up_from
     dups = {name: sum(counts.values()) - len(counts) for name, counts in seen.items()}
     print(
