@@ -35,6 +35,8 @@ from airflow_shared_stream_provider.brokers import broker_spec, load
 from devkit.demo_types import OrderMessage
 
 T = TypeVar("T")
+# A kit's own class: ``with SomeKit() as kit`` gives that class, not the base.
+K = TypeVar("K", bound="BrokerKit")
 
 # (index of the chunk's first item, the chunk's message ids): called as each chunk is accepted.
 OnSent = Callable[[int, list[str]], None]
@@ -229,7 +231,7 @@ class BrokerKit(abc.ABC):
     # abstract method: each kit's options are its own.
     stream: Callable[..., KitStream]
 
-    def __enter__(self) -> BrokerKit:
+    def __enter__(self: K) -> K:
         self.start()
         return self
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
+from devkit.kits import KitStream
 from devkit.memory import MemorySharedStreamTrigger, brokers, memory_broker
 from devkit.runner import RunnerSim, wait_until
 
@@ -38,6 +39,59 @@ class BrokerAdapter(Protocol):
 
     async def dead_lettered(self) -> list[bytes]:
         """Bodies that reached the dead-letter target so far (original bytes)."""
+
+
+T = TypeVar("T")
+StreamT = TypeVar("StreamT", bound=KitStream)
+TriggerT = TypeVar("TriggerT", bound=SharedStreamTrigger)
+
+
+class KitAdapter(Generic[StreamT, TriggerT]):
+    """
+    The part of a :class:`BrokerAdapter` its broker's test kit (``devkit/kits/<broker>.py``) already
+    has: the trigger's source arguments and the count of what is unsettled come from the kit's
+    stream ``kit``; a broker's adapter adds the trigger's other options (:meth:`trigger_options`),
+    publishing and dead letters.
+
+    The kits are sync, the tests async: a kit call runs in a worker thread (:meth:`in_thread`), so
+    the event loop the watchers under test run on is never blocked by an observer's round trip (and
+    a kit that runs an event loop of its own, as Kafka's does, is not started inside this one).
+    """
+
+    broker: str
+    # The broker's trigger class (set on the subclass).
+    trigger_class: type[TriggerT]
+    # The broker's short polls and timeouts every test trigger gets, so the tests run quickly.
+    quick: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, kit: StreamT, conn_id: str) -> None:
+        self.kit = kit
+        self.conn_id = conn_id
+        # Options every trigger of this adapter gets (before make_trigger's own keyword arguments).
+        self.trigger_defaults: dict[str, Any] = {}
+
+    def trigger_options(self) -> dict[str, Any]:
+        """The trigger's options besides its source and :attr:`quick`: connection, dead-letter target."""
+        raise NotImplementedError
+
+    def make_trigger(self, **kwargs: Any) -> TriggerT:
+        """A trigger on the kit's stream, dead-letter target configured; ``kwargs`` win over every default."""
+        options = {
+            **self.kit.trigger_kwargs(),
+            **self.trigger_options(),
+            **self.quick,
+            **self.trigger_defaults,
+            **kwargs,
+        }
+        return self.trigger_class(**options)
+
+    async def in_thread(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``call(*args, **kwargs)`` (a sync kit call) in a worker thread."""
+        return await asyncio.to_thread(call, *args, **kwargs)
+
+    async def unsettled(self) -> int:
+        """What the broker still holds for the stream, as the kit counts it."""
+        return await self.in_thread(self.kit.unsettled)
 
 
 def orders(count: int, *, regions: Sequence[str] = ("eu", "us", "apac")) -> list[bytes]:

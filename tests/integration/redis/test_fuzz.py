@@ -17,9 +17,10 @@ import redis.asyncio as aioredis
 from hypothesis import strategies as st
 
 from airflow_shared_stream_provider._core.envelope import text_value
+from devkit.redis_broker import RedisServer
 from tests.integration import fuzz
 from tests.integration.fuzz import RAISE_ATTRIBUTE, DeadRecord, FuzzMessage, FuzzSession, session
-from tests.integration.redis.conftest import RedisAdapter, fresh_names
+from tests.integration.redis.conftest import RedisAdapter
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
@@ -121,14 +122,14 @@ def redis_messages(draw: st.DrawFn) -> FuzzMessage:
 
 
 @pytest.fixture
-async def fuzz_targets(redis_client: aioredis.Redis, redis_connection: str) -> AsyncIterator[list[RedisFuzzTarget]]:
+async def fuzz_targets(
+    redis_client: aioredis.Redis, redis_connection: str, redis_server: RedisServer
+) -> AsyncIterator[list[RedisFuzzTarget]]:
     """A stream read one envelope per event, and one in batch mode (also test_hostile.py's)."""
-    targets = []
-    for name, batch_size in (("plain", 1), ("batch", 4)):
-        stream, dlq = fresh_names()
-        targets.append(
-            RedisFuzzTarget(RedisAdapter(redis_client, redis_connection, stream, dlq), name, batch_size=batch_size)
-        )
+    targets = [
+        RedisFuzzTarget(RedisAdapter.fresh(redis_client, redis_connection, redis_server), name, batch_size=batch_size)
+        for name, batch_size in (("plain", 1), ("batch", 4))
+    ]
     try:
         yield targets
     finally:

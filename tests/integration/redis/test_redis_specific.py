@@ -22,7 +22,7 @@ from airflow_shared_stream_provider.triggers.redis import RedisSharedStreamTrigg
 from devkit.redis_broker import start_redis
 from devkit.runner import RunnerSim, record_producers, wait_until
 from tests.integration.contract import batched, orders, wait_until_async, wait_until_settled
-from tests.integration.redis.conftest import RedisAdapter, fresh_names
+from tests.integration.redis.conftest import RedisAdapter
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
@@ -356,8 +356,7 @@ async def test_a_redis_restart_with_its_append_only_file_loses_nothing(
         client = aioredis.Redis(**server.client_kwargs(), protocol=2)
         client.set_response_callback("XRANGE", lambda response, **_: response)
         client.set_response_callback("XPENDING", lambda response, **_: response)
-        stream, dlq = fresh_names()
-        adapter = RedisAdapter(client, redis_connection, stream, dlq)
+        adapter = RedisAdapter.fresh(client, redis_connection, server)
         try:
             await adapter.publish(orders(20)[:10])
             async with RunnerSim(SharedStreamManager(ack_timeout=120)) as runner:
@@ -381,6 +380,8 @@ async def test_a_redis_restart_with_its_append_only_file_loses_nothing(
             eu = sorted({p["body"]["order_id"] for p in runner.persisted[2]})
             assert eu == [i for i in range(20) if i % 3 == 0]
         finally:
+            # This test's own server is thrown away: only the kit stream's client is closed.
+            await adapter.in_thread(adapter.kit.close)
             await client.aclose()
 
 
