@@ -190,14 +190,17 @@ class KafkaOrders(KitStream):
 
         return asyncio.run(read())
 
-    def dlq_records(self, timeout: float = 5.0) -> list[dict[str, Any]]:
-        """Every record of the DLQ topic: key, value and headers."""
+    def dlq_raw_records(self, timeout: float | None = 5.0) -> list[Any]:
+        """
+        Every record of the DLQ topic, as aiokafka's ``ConsumerRecord`` (headers as sent: name and
+        raw bytes, in order), read up to the end offsets; ``timeout`` (None: none) ends the read early.
+        """
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
-        async def read() -> list[dict[str, Any]]:
+        async def read() -> list[Any]:
             consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
             await consumer.start()
-            records: list[dict[str, Any]] = []
+            records: list[Any] = []
             try:
                 partitions = [
                     TopicPartition(self.dlq_topic, p)
@@ -206,26 +209,30 @@ class KafkaOrders(KitStream):
                 consumer.assign(partitions)
                 await consumer.seek_to_beginning(*partitions)
                 ends = await consumer.end_offsets(partitions)
-                deadline = time.monotonic() + timeout
-                while time.monotonic() < deadline:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while deadline is None or time.monotonic() < deadline:
                     positions = [await consumer.position(tp) for tp in partitions]
                     if all(pos >= ends[tp] for pos, tp in zip(positions, partitions, strict=True)):
                         break
                     batch = await consumer.getmany(*partitions, timeout_ms=500)
                     for tp_records in batch.values():
-                        for record in tp_records:
-                            records.append(
-                                {
-                                    "key": record.key,
-                                    "value": record.value,
-                                    "headers": {k: v.decode("utf-8", "replace") for k, v in record.headers},
-                                }
-                            )
+                        records.extend(tp_records)
             finally:
                 await consumer.stop()
             return records
 
         return asyncio.run(read())
+
+    def dlq_records(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """Every record of the DLQ topic: key, value and headers (as text)."""
+        return [
+            {
+                "key": record.key,
+                "value": record.value,
+                "headers": {k: v.decode("utf-8", "replace") for k, v in record.headers},
+            }
+            for record in self.dlq_raw_records(timeout)
+        ]
 
     def dead_letters(self) -> dict[str, str]:
         """``source message_id (x-dead-letter-source) -> x-dead-letter-reason`` of the DLQ topic's records."""

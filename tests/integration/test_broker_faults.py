@@ -70,7 +70,7 @@ from devkit.ports import free_port
 from tests.faultproxy import FaultProxy
 from tests.integration import faults_harness as harness
 from tests.integration.faults_harness import _slow_opt_in, print_fault_reports
-from tests.integration.kafka.conftest import KafkaAdapter, create_topics
+from tests.integration.kafka.conftest import KafkaAdapter, kafka_it_connection
 from tests.integration.sqs.conftest import SqsAdapter, create_queue_pair
 
 __all__ = ["_slow_opt_in", "print_fault_reports"]  # fixtures used by this module
@@ -217,16 +217,14 @@ class KafkaTarget(harness.FaultTargetBase):
 
 
 def kafka_connection(monkeypatch: pytest.MonkeyPatch, conn_id: str, bootstrap: str) -> str:
-    extra = {"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest", "session.timeout.ms": 10000}
-    return harness.set_connection(monkeypatch, conn_id, {"conn_type": "kafka", "extra": extra})
+    return harness.set_connection(monkeypatch, conn_id, kafka_it_connection(bootstrap))
 
 
 @contextlib.asynccontextmanager
 async def open_kafka_target(faults: KafkaFaults, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KafkaTarget]:
     bootstrap = faults.proxy.address
     adapter = KafkaAdapter(bootstrap, kafka_connection(monkeypatch, "kafka_faults", bootstrap))
-    await create_topics(bootstrap, adapter.topic, partitions=adapter.partitions)
-    await create_topics(bootstrap, adapter.dlq_topic, partitions=1)
+    await adapter.create_topics()
     target = KafkaTarget(faults, adapter)
     try:
         yield target

@@ -1,78 +1,84 @@
-"""Kafka integration fixtures: Tansu on a free loopback port, or KAFKA_BOOTSTRAP_SERVERS."""
+"""
+Kafka integration fixtures: Tansu on a free loopback port, or KAFKA_BOOTSTRAP_SERVERS (the Kafka
+kit's, ``devkit.kits.kafka.KafkaKit``).
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka import AIOKafkaProducer
 
 from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger
-from devkit.brokers import start_kafka
+from devkit.kits.kafka import KafkaKit, KafkaOrders, kafka_connection
+from tests.integration.contract import KitAdapter
 
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> Iterator[str]:
     """A real Kafka-protocol broker: the env var's, or Tansu started here (never skipped)."""
-    external = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if external:
-        yield external
-        return
-    broker = start_kafka()
-    try:
-        yield broker.address
-    finally:
-        broker.stop()
+    # own=False: KAFKA_BOOTSTRAP_SERVERS, where set, names the broker (the kit starts none then).
+    with KafkaKit(own=False) as kit:
+        yield kit.bootstrap
+
+
+def kafka_it_connection(bootstrap: str) -> dict[str, Any]:
+    """The kit's ``kafka`` connection, with a short session timeout (a stopped watcher's partitions move on soon)."""
+    connection = kafka_connection(bootstrap)
+    connection["extra"]["session.timeout.ms"] = 10000
+    return connection
 
 
 @pytest.fixture
 def kafka_conn(kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch) -> str:
     conn_id = "kafka_it"
-    extra = {"bootstrap.servers": kafka_bootstrap, "auto.offset.reset": "earliest", "session.timeout.ms": 10000}
-    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps({"conn_type": "kafka", "extra": extra}))
+    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(kafka_it_connection(kafka_bootstrap)))
     return conn_id
 
 
-async def create_topics(bootstrap: str, *topics: str, partitions: int = 3) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(t, num_partitions=partitions, replication_factor=1) for t in topics])
-    finally:
-        await admin.close()
-
-
-class KafkaAdapter:
-    """BrokerAdapter for the contract suite: a fresh topic, DLQ topic and group per test."""
+class KafkaAdapter(KitAdapter[KafkaOrders, KafkaSharedStreamTrigger]):
+    """
+    BrokerAdapter for the contract suite over the kit's stream: a fresh topic, DLQ topic and group
+    per test. Topics, offsets and dead letters are the kit's; publishing stays here (partitions,
+    keys, headers and tombstones are Kafka-only tests' own).
+    """
 
     broker = "kafka"
+    trigger_class = KafkaSharedStreamTrigger
+    quick: ClassVar[dict[str, Any]] = {"poll_timeout": 0.2, "partial_assignment_grace": 5.0}
 
     def __init__(self, bootstrap: str, conn_id: str, partitions: int = 3) -> None:
         suffix = uuid.uuid4().hex[:8]
+        topic = f"orders-{suffix}"
+        orders = KafkaOrders(
+            bootstrap, topic=topic, dlq_topic=f"{topic}.dlq", group_id=f"group-{suffix}", partitions=partitions
+        )
+        super().__init__(orders, conn_id)
         self.bootstrap = bootstrap
-        self.conn_id = conn_id
-        self.topic = f"orders-{suffix}"
-        self.dlq_topic = f"orders-{suffix}.dlq"
-        self.group_id = f"group-{suffix}"
+        self.topic = orders.topic
+        self.dlq_topic = orders.dlq_topic
         self.partitions = partitions
         self.published = 0
 
-    def make_trigger(self, **kwargs: Any) -> KafkaSharedStreamTrigger:
-        options: dict[str, Any] = {
-            "topics": [self.topic],
-            "kafka_config_id": self.conn_id,
-            "group_id": self.group_id,
-            "dlq_topic": self.dlq_topic,
-            "poll_timeout": 0.2,
-            "partial_assignment_grace": 5.0,
-        }
-        options.update(kwargs)
-        return KafkaSharedStreamTrigger(**options)
+    @property
+    def group_id(self) -> str:
+        """The group the triggers commit in and :meth:`committed` reads (the kit's: a test may point both elsewhere)."""
+        return self.kit.group_id
+
+    @group_id.setter
+    def group_id(self, group_id: str) -> None:
+        self.kit.group_id = group_id
+
+    async def create_topics(self) -> None:
+        """The topic (``partitions`` partitions) and its DLQ topic (one partition)."""
+        await self.in_thread(self.kit.create_topics)
+
+    def trigger_options(self) -> dict[str, Any]:
+        return {"kafka_config_id": self.conn_id, "group_id": self.group_id, "dlq_topic": self.dlq_topic}
 
     async def publish(
         self,
@@ -99,55 +105,16 @@ class KafkaAdapter:
         self.published += len(bodies)
 
     async def end_offsets(self) -> dict[int, int]:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap)
-        await consumer.start()
-        try:
-            tps = [TopicPartition(self.topic, p) for p in range(self.partitions)]
-            ends = await consumer.end_offsets(tps)
-            return {tp.partition: offset for tp, offset in ends.items()}
-        finally:
-            await consumer.stop()
+        return await self.in_thread(self.kit.end_offsets)
 
     async def committed(self) -> dict[int, int]:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=self.group_id, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            out = {}
-            for p in range(self.partitions):
-                out[p] = await consumer.committed(TopicPartition(self.topic, p)) or 0
-            return out
-        finally:
-            await consumer.stop()
-
-    async def unsettled(self) -> int:
-        ends = await self.end_offsets()
-        committed = await self.committed()
-        return sum(ends[p] - committed.get(p, 0) for p in ends)
+        """The group's committed offset of every partition (0 where it has none)."""
+        committed = await self.in_thread(self.kit.committed)
+        return {p: committed.get(p, 0) for p in range(self.partitions)}
 
     async def dead_letter_records(self) -> list[Any]:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, auto_offset_reset="earliest")
-        await consumer.start()
-        try:
-            partitions = consumer.partitions_for_topic(self.dlq_topic)
-            if not partitions:
-                await consumer._client.force_metadata_update()
-                partitions = consumer.partitions_for_topic(self.dlq_topic) or set()
-            tps = [TopicPartition(self.dlq_topic, p) for p in partitions]
-            if not tps:
-                return []
-            consumer.assign(tps)
-            ends = await consumer.end_offsets(tps)
-            records: list[Any] = []
-            while True:
-                positions = {tp: await consumer.position(tp) for tp in tps}
-                if all(positions[tp] >= ends[tp] for tp in tps):
-                    break
-                batch = await consumer.getmany(timeout_ms=500)
-                for recs in batch.values():
-                    records.extend(recs)
-            return records
-        finally:
-            await consumer.stop()
+        """Every record of the DLQ topic (aiokafka's ``ConsumerRecord``), read to its end offsets."""
+        return await self.in_thread(self.kit.dlq_raw_records, None)
 
     async def dead_lettered(self) -> list[bytes]:
         return [r.value for r in await self.dead_letter_records()]
@@ -156,6 +123,5 @@ class KafkaAdapter:
 @pytest.fixture
 async def adapter(kafka_bootstrap: str, kafka_conn: str) -> AsyncIterator[KafkaAdapter]:
     kafka_adapter = KafkaAdapter(kafka_bootstrap, kafka_conn)
-    await create_topics(kafka_bootstrap, kafka_adapter.topic, partitions=3)
-    await create_topics(kafka_bootstrap, kafka_adapter.dlq_topic, partitions=1)
+    await kafka_adapter.create_topics()
     yield kafka_adapter

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from devkit.runner import RunnerSim
 from tests.integration import fuzz
 from tests.integration.fuzz import DEAD_LETTER_PREFIX, RAISE_ATTRIBUTE, DeadRecord, FuzzMessage, FuzzSession, session
-from tests.integration.kafka.conftest import KafkaAdapter, create_topics
+from tests.integration.kafka.conftest import KafkaAdapter
 
 pytestmark = [pytest.mark.integration, pytest.mark.kafka]
 
@@ -114,8 +114,7 @@ async def fuzz_targets(kafka_bootstrap: str, kafka_conn: str) -> list[KafkaFuzzT
     targets = []
     for name, batch_size in (("single", 1), ("batch", 4)):
         adapter = KafkaAdapter(kafka_bootstrap, kafka_conn)
-        await create_topics(kafka_bootstrap, adapter.topic, partitions=3)
-        await create_topics(kafka_bootstrap, adapter.dlq_topic, partitions=1)
+        await adapter.create_topics()
         targets.append(KafkaFuzzTarget(adapter, name, batch_size=batch_size))
     return targets
 
