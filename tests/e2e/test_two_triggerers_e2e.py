@@ -165,7 +165,9 @@ def missing_per_watcher(seen: dict[str, Counter[str]], published: set[str]) -> d
     return {name: len(published - set(counts)) for name, counts in seen.items() if published - set(counts)}
 
 
-def wait_for_every_message(env: AirflowEnv, published: set[str], *, stalled_for: float = 180) -> dict[str, Counter[str]]:
+def wait_for_every_message(
+    env: AirflowEnv, published: set[str], *, stalled_for: float = 180
+) -> dict[str, Counter[str]]:
     """
     Wait until every watcher has every message of ``published``; returns :func:`deliveries`.
 
