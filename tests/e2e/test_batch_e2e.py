@@ -220,8 +220,16 @@ def test_flush_marker_brings_the_stranded_tail_of_a_burst_into_a_run(
     batch_airflow.wait_until(
         lambda: batch_airflow.dag_idle(CONSUMER_DAG), timeout=300, what="the consumer Dag to be idle", interval=2.0
     )
-    _, markers, _ = observed(batch_airflow)
-    last_ids = {marker["after_message_id"] for marker in markers}
-    assert last_ids & ids, f"no marker after the burst: {markers}"
+
+    # The marker comes flush_after after the burst's last event whether or not a run already
+    # took the tail (a run created late enough takes it all): wait for it, not assume it.
+    def marker_after_the_burst() -> bool:
+        _, markers, _ = observed(batch_airflow)
+        return bool({marker["after_message_id"] for marker in markers} & ids)
+
+    try:
+        batch_airflow.wait_until(marker_after_the_burst, timeout=FLUSH_AFTER + 120, what="the marker", interval=2.0)
+    except Exception:
+        raise AssertionError(f"no marker after the burst: {observed(batch_airflow)[1]}") from None
     runs = batch_airflow.dag_run_states(CONSUMER_DAG)
     assert not runs.get("failed"), runs
