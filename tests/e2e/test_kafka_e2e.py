@@ -11,6 +11,11 @@ messages it published itself:
    as documented (dead-lettered, the right events still fire) and the triggerer keeps running;
 3. ``kill -9`` of the triggerer at random points of a stream loses nothing (figures printed);
 4. the PySpark pipeline's Parquet output equals the revenue of every valid order, each counted once.
+
+3 and 4 are long variants (about 3 minutes each), run with ``-m slow`` or ``KAFKA_E2E_SLOW=1``:
+CI keeps a triggerer ``kill -9`` in ``test_batch_e2e.py``, ``test_two_triggerers_e2e.py`` and the
+production chaos run (``test_production.py``), which also checks the PySpark pipeline's output
+table exactly (every valid order once, the revenue per region and minute).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from devkit.demo import (
     spark_revenue,
 )
 from tests.e2e.conftest import ALL_WATCHERS, PRIORITY_WATCHER, KafkaAirflow
+from tests.slow import slow_asked
 from tests.statsd_listener import Metric, StatsdListener
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.timeout(900)]
@@ -256,6 +262,14 @@ def test_bad_input_is_dead_lettered_and_the_triggerer_keeps_running(airflow: Air
     assert len(since(orders, start)) == len(bad)
 
 
+@pytest.fixture
+def _slow_opt_in(request: pytest.FixtureRequest) -> None:
+    if not slow_asked(request.config, "KAFKA_E2E_SLOW"):
+        pytest.skip("a long Kafka e2e variant (about 3 minutes): run with -m slow or KAFKA_E2E_SLOW=1")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_slow_opt_in")
 def test_triggerer_kill9_at_random_points_loses_nothing(airflow: AirflowEnv, orders: KafkaOrders) -> None:
     rng = random.Random(20261121)
     start = len(orders.published)
@@ -307,6 +321,8 @@ def test_triggerer_kill9_at_random_points_loses_nothing(airflow: AirflowEnv, ord
     assert all(count <= 1 for count in group_openings_per_start(airflow))
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("_slow_opt_in")
 def test_pyspark_pipeline_counts_every_valid_order_once(
     airflow: AirflowEnv, orders: KafkaOrders, output_dir: Path
 ) -> None:
