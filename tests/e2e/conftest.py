@@ -40,7 +40,7 @@ from devkit.demo import (
 from devkit.demo_streams import SqsOrders
 from devkit.postgres import FAST_SETTINGS, PostgresServer
 from devkit.stress import CpuStress, cpu_count, stress_from_env
-from tests.slow import slow_asked
+from tests.slow import skip_unless_slow
 from tests.statsd_listener import StatsdListener
 
 E2E_DAGS = Path(__file__).parent / "dags"
@@ -214,8 +214,8 @@ def kafka_airflow(request: pytest.FixtureRequest) -> KafkaAirflow:
     if db == "sqlite":
         return KafkaAirflow("sqlite", request.getfixturevalue("airflow"), request.getfixturevalue("orders"))
     if db == "postgres":
-        if not slow_asked(request.config, "KAFKA_E2E_SLOW"):  # before its Airflow and broker start
-            pytest.skip("the Kafka e2e on PostgreSQL (about 2.5 minutes): run with -m slow or KAFKA_E2E_SLOW=1")
+        # before its Airflow and broker start
+        skip_unless_slow(request.config, "KAFKA_E2E_SLOW", "the Kafka e2e on PostgreSQL (about 2.5 minutes)")
         stack: KafkaAirflow = request.getfixturevalue("airflow_postgres")
         return stack
     raise ValueError(f"kafka_airflow: unknown metadata DB {db!r}")

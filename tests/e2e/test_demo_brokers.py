@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from devkit.demo import REPO_ROOT, expected_watchers, sample_orders
-from tests.slow import slow_asked
+from tests.slow import skip_unless_slow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.spark, pytest.mark.timeout(900)]
 
@@ -53,8 +53,8 @@ SLOW_DEMOS = frozenset({"sqs", "pubsub", "servicebus"})
 def test_the_demo_runs_the_example_dags_end_to_end(
     request: pytest.FixtureRequest, broker: str, batch_size: int, settled_detail: str, dead_letter_target: str
 ) -> None:
-    if broker in SLOW_DEMOS and not slow_asked(request.config, "DEMO_SLOW"):
-        pytest.skip(f"the {broker} demo (2-3 min): run with -m slow or DEMO_SLOW=1")
+    if broker in SLOW_DEMOS:
+        skip_unless_slow(request.config, "DEMO_SLOW", f"the {broker} demo (2-3 min)")
     completed = subprocess.run(
         [
             sys.executable,

@@ -49,7 +49,7 @@ from devkit.demo import (
     spark_revenue,
 )
 from tests.e2e.conftest import ALL_WATCHERS, PRIORITY_WATCHER, KafkaAirflow
-from tests.slow import slow_asked
+from tests.slow import slow_opt_in
 from tests.statsd_listener import Metric, StatsdListener
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.timeout(900)]
@@ -265,10 +265,7 @@ def test_bad_input_is_dead_lettered_and_the_triggerer_keeps_running(airflow: Air
     assert len(since(orders, start)) == len(bad)
 
 
-@pytest.fixture
-def _slow_opt_in(request: pytest.FixtureRequest) -> None:
-    if not slow_asked(request.config, "KAFKA_E2E_SLOW"):
-        pytest.skip("a long Kafka e2e variant (about 3 minutes): run with -m slow or KAFKA_E2E_SLOW=1")
+_slow_opt_in = slow_opt_in("KAFKA_E2E_SLOW", "a long Kafka e2e variant (about 3 minutes)")
 
 
 @pytest.mark.slow

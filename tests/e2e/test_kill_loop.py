@@ -51,7 +51,7 @@ from devkit.airflow_env import AirflowEnv
 from devkit.demo import build_dags_folder, make_order
 from devkit.demo_types import OrderMessage
 from tests.e2e.loop_brokers import CONN_ID, Deliveries, LoopBroker, dag_env, loop_broker
-from tests.slow import slow_asked
+from tests.slow import slow_opt_in
 
 # ``starved_cpus``: STARVE_CPUS=N runs N CPU burners for the whole module (tests/e2e/conftest.py).
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("starved_cpus")]
@@ -256,10 +256,7 @@ def check(result: KillLoopResult, kills: int) -> None:
 
 
 # -- the tests --------------------------------------------------------------------------------------
-@pytest.fixture
-def _slow_opt_in(request: pytest.FixtureRequest) -> None:
-    if not slow_asked(request.config, "KILL_LOOP_SLOW"):
-        pytest.skip("kill loop: run with -m slow or KILL_LOOP_SLOW=1")
+_slow_opt_in = slow_opt_in("KILL_LOOP_SLOW", "kill loop")
 
 
 @pytest.mark.kafka

@@ -27,7 +27,7 @@ from order_events import envelopes_of
 from devkit.airflow_env import AirflowEnv
 from devkit.demo import build_dags_folder, make_order
 from devkit.demo_streams import SqsOrders
-from tests.slow import slow_asked
+from tests.slow import slow_opt_in
 
 # ``starved_cpus``: STARVE_CPUS=N runs N CPU burners for the whole module (tests/e2e/conftest.py).
 # _slow_opt_in first: a skip before the module's broker and Airflow fixtures start.
@@ -40,10 +40,9 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def _slow_opt_in(request: pytest.FixtureRequest) -> None:
-    if not slow_asked(request.config, "KILL_LOOP_SLOW"):
-        pytest.skip("late siblings after kill -9, 120 watchers (about 5 minutes): run with -m slow or KILL_LOOP_SLOW=1")
+_slow_opt_in = slow_opt_in(
+    "KILL_LOOP_SLOW", "late siblings after kill -9, 120 watchers (about 5 minutes)", scope="module"
+)
 
 
 COUNT = 120

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from bench.production import ACTIONS, parse_args, render, run
-from tests.slow import slow_asked
+from tests.slow import skip_unless_slow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -54,8 +54,7 @@ def test_kafka_production_chaos_short() -> None:
 @pytest.mark.kafka
 @pytest.mark.slow
 def test_kafka_ha_production_chaos_short(request: pytest.FixtureRequest) -> None:
-    if not slow_asked(request.config, "PRODUCTION_SLOW"):
-        pytest.skip("kafka-ha, the split case (finding 4's reproducer): PRODUCTION_SLOW=1 or -m slow")
+    skip_unless_slow(request.config, "PRODUCTION_SLOW", "kafka-ha, the split case (finding 4's reproducer)")
     run_and_check(
         "--brokers kafka --ha kafka-ha --minutes 2.5 --rate 2 --chaos once --pause-seconds 30 "
         "--drain-timeout 600 --out /dev/null"
@@ -64,8 +63,7 @@ def test_kafka_ha_production_chaos_short(request: pytest.FixtureRequest) -> None
 
 @pytest.mark.slow
 def test_every_broker_production_chaos(request: pytest.FixtureRequest) -> None:
-    if not slow_asked(request.config, "PRODUCTION_SLOW"):
-        pytest.skip("10 minutes on every broker: PRODUCTION_SLOW=1 or -m slow")
+    skip_unless_slow(request.config, "PRODUCTION_SLOW", "10 minutes on every broker")
     run_and_check(
         "--brokers kafka,sqs,pubsub,redis,servicebus --minutes 10 --rate 2 --chaos loop --chaos-every 100 "
         "--drain-timeout 900 --out /dev/null"

@@ -32,7 +32,7 @@ import pytest
 from devkit.airflow_env import AirflowEnv
 from devkit.demo import build_dags_folder, make_order
 from tests.e2e.loop_brokers import CONN_ID, Deliveries, LoopBroker, dag_env, loop_broker
-from tests.slow import slow_asked
+from tests.slow import skip_unless_slow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -93,8 +93,7 @@ def test_one_watcher_triggerer_recipe_loses_nothing(
 ) -> None:
     # CI's time budget (under 60 minutes): the recipe runs with -m slow or KILL_LOOP_SLOW=1 on every
     # queue broker (100-150 s each on the CI machine); it is broker-neutral (the triggerer's queues).
-    if not slow_asked(request.config, "KILL_LOOP_SLOW"):
-        pytest.skip(f"the recipe on {broker.name} (about 2 minutes): run with -m slow or KILL_LOOP_SLOW=1")
+    skip_unless_slow(request.config, "KILL_LOOP_SLOW", f"the recipe on {broker.name} (about 2 minutes)")
     with queue_airflow(broker, tmp_path_factory, queues_enabled=True) as env:
         env.wait_for_dags([DAG_ID])
         env.unpause([DAG_ID])
@@ -135,8 +134,7 @@ def test_a_split_across_two_triggerers_is_reported_loudly(
     # Split detection is broker-neutral (_core/split.py, whose rules tests/unit/test_split.py drives
     # through the real asset state store); this end-to-end proof takes over 2 minutes per broker on
     # the CI machine, so it runs with KILL_LOOP_SLOW=1 (or -m slow) only.
-    if not slow_asked(request.config, "KILL_LOOP_SLOW"):
-        pytest.skip(f"split detection on {broker.name} (over 2 min): run with KILL_LOOP_SLOW=1 or -m slow")
+    skip_unless_slow(request.config, "KILL_LOOP_SLOW", f"split detection on {broker.name} (over 2 min)")
     with queue_airflow(broker, tmp_path_factory) as env:
         env.wait_for_dags([DAG_ID])
         env.unpause([DAG_ID])

@@ -34,20 +34,20 @@ import pytest
 from devkit.airflow_env import AirflowEnv
 from devkit.demo import SPARK_LOCAL_CONNECTION, build_dags_folder
 from devkit.spark_cluster import SparkCluster
-from tests.slow import slow_asked
+from tests.slow import slow_opt_in
 
 pytestmark = [pytest.mark.e2e, pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _slow_opt_in(request: pytest.FixtureRequest) -> None:
-    # CI's time budget (about 4 minutes on the CI machine): the standalone cluster is in CI through
-    # tests/e2e/test_production.py (every pipeline run there goes to a standalone master with two
-    # workers); this module adds the three modes side by side and Spark Connect.
-    if not slow_asked(request.config, "SPARK_CLUSTER_SLOW"):
-        pytest.skip(
-            "the pipeline on local, standalone and Connect side by side (4 min): SPARK_CLUSTER_SLOW=1 or -m slow"
-        )
+# CI's time budget (about 4 minutes on the CI machine): the standalone cluster is in CI through
+# tests/e2e/test_production.py (every pipeline run there goes to a standalone master with two
+# workers); this module adds the three modes side by side and Spark Connect.
+_slow_opt_in = slow_opt_in(
+    "SPARK_CLUSTER_SLOW",
+    "the pipeline on local, standalone and Connect side by side (4 min)",
+    scope="module",
+    autouse=True,
+)
 
 
 MODES = ("local", "standalone", "connect")

@@ -39,7 +39,7 @@ from devkit.airflow_env import AirflowComponent, AirflowEnv
 from devkit.brokers import start_kafka
 from devkit.demo import build_dags_folder, kafka_connection
 from devkit.postgres import FAST_SETTINGS, PostgresServer
-from tests.slow import slow_asked
+from tests.slow import slow_opt_in
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka, pytest.mark.timeout(900)]
 
@@ -243,10 +243,7 @@ def test_watchers_moved_from_a_killed_triggerer_lose_nothing(two_triggerers: tup
 
 
 # -- several kills and a stalled triggerer (issue 23, item 5) -------------------------------------
-@pytest.fixture
-def _slow_opt_in(request: pytest.FixtureRequest) -> None:
-    if not slow_asked(request.config, "KILL_LOOP_SLOW"):
-        pytest.skip("two-triggerer kill loop: run with -m slow or KILL_LOOP_SLOW=1")
+_slow_opt_in = slow_opt_in("KILL_LOOP_SLOW", "two-triggerer kill loop")
 
 
 def distinct_per_watcher(env: AirflowEnv) -> dict[str, int]:

@@ -44,7 +44,7 @@ from airflow.triggers.shared_stream import SharedStreamManager
 from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
 from devkit.runner import RunnerSim, wait_until
 from tests.faultproxy import FaultProxy
-from tests.slow import slow_asked
+from tests.slow import slow_opt_in
 
 FAULT_SECONDS = 5.0
 """How long a stall or a refusal lasts."""
@@ -111,10 +111,7 @@ failures, 1+2+4+8 s apart), so that one fails its group loudly and is re-created
 """
 
 
-@pytest.fixture
-def _slow_opt_in(request: pytest.FixtureRequest) -> None:
-    if not slow_asked(request.config, "BROKER_FAULTS_SLOW"):
-        pytest.skip("long fault variant: run with -m slow or BROKER_FAULTS_SLOW=1")
+_slow_opt_in = slow_opt_in("BROKER_FAULTS_SLOW", "long fault variant")
 
 
 def fault_variants(test: TestT) -> TestT:
