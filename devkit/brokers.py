@@ -11,6 +11,7 @@ not silently skip because the broker did not start.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -154,6 +155,9 @@ def start_moto(*, timeout: float = 30.0) -> BrokerProcess:
         from moto.server import ThreadedMotoServer
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise BrokerStartError("the local SQS endpoint needs moto[server]: pip install 'moto[server]'") from exc
+    # Its werkzeug server logs every request at INFO: a line per S3 object Tansu writes, per SQS
+    # call, into whatever log the process has (bench.production's console, an Airflow task's).
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
