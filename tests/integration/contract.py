@@ -13,8 +13,9 @@ asserts broker state through the adapter's independent client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from airflow.triggers.shared_stream import SharedStreamManager
@@ -92,6 +93,28 @@ class KitAdapter(Generic[StreamT, TriggerT]):
     async def unsettled(self) -> int:
         """What the broker still holds for the stream, as the kit counts it."""
         return await self.in_thread(self.kit.unsettled)
+
+    async def cleanup(self) -> None:
+        """Remove what the adapter made on the broker (nothing, unless the broker's adapter says so)."""
+
+
+AdapterT = TypeVar("AdapterT", bound=KitAdapter[Any, Any])
+
+
+@contextlib.asynccontextmanager
+async def cleaned_up(make: Callable[..., Awaitable[AdapterT]]) -> AsyncIterator[Callable[..., Awaitable[AdapterT]]]:
+    """``make`` (an adapter factory) as a factory whose adapters are cleaned up on exit, in order."""
+    made: list[AdapterT] = []
+
+    async def tracked(*args: Any, **kwargs: Any) -> AdapterT:
+        made.append(await make(*args, **kwargs))
+        return made[-1]
+
+    try:
+        yield tracked
+    finally:
+        for adapter in made:
+            await adapter.cleanup()
 
 
 def orders(count: int, *, regions: Sequence[str] = ("eu", "us", "apac")) -> list[bytes]:

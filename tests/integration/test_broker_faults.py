@@ -66,12 +66,13 @@ from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
 from airflow_shared_stream_provider.producers import sqs as sqs_producer
 from airflow_shared_stream_provider.producers.kafka_config import DEFAULT_RETRY_BACKOFF_MS, kafka_client_config
 from devkit.brokers import BrokerProcess, start_kafka, start_moto, stop_moto
+from devkit.kits.sqs import sqs_connection as kit_sqs_connection
 from devkit.ports import free_port
 from tests.faultproxy import FaultProxy
 from tests.integration import faults_harness as harness
 from tests.integration.faults_harness import _slow_opt_in, print_fault_reports
 from tests.integration.kafka.conftest import KafkaAdapter, kafka_it_connection
-from tests.integration.sqs.conftest import SqsAdapter, create_queue_pair
+from tests.integration.sqs.conftest import SqsAdapter
 
 __all__ = ["_slow_opt_in", "print_fault_reports"]  # fixtures used by this module
 
@@ -344,23 +345,24 @@ def sqs_connection(
     secret: str = "testing",
     config_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    extra: dict[str, Any] = {"region_name": REGION, "endpoint_url": endpoint}
+    connection = kit_sqs_connection(endpoint, REGION)
+    connection["password"] = secret
     if config_kwargs:
-        extra["config_kwargs"] = config_kwargs
-    return harness.set_connection(
-        monkeypatch, conn_id, {"conn_type": "aws", "login": "testing", "password": secret, "extra": extra}
-    )
+        connection["extra"]["config_kwargs"] = config_kwargs
+    return harness.set_connection(monkeypatch, conn_id, connection)
 
 
 @contextlib.asynccontextmanager
-async def queue_pair(client: Any) -> AsyncIterator[tuple[str, str]]:
-    """A fresh queue (visibility timeout 30 s) and its dead-letter queue, deleted after the test."""
-    queue_url, dlq_url = await create_queue_pair(client, visibility=30)
+async def queue_pair(faults: SqsFaults, client: Any, conn_id: str) -> AsyncIterator[SqsAdapter]:
+    """
+    A fresh queue (visibility timeout 30 s) and its dead-letter queue, made by the SQS kit straight
+    on moto, deleted after the test; the adapter's triggers use ``conn_id``.
+    """
+    adapter = await SqsAdapter.fresh(client, conn_id, faults.direct, region=REGION, visibility=30)
     try:
-        yield queue_url, dlq_url
+        yield adapter
     finally:
-        for url in (queue_url, dlq_url):
-            await client.delete_queue(QueueUrl=url)
+        await adapter.cleanup()
 
 
 class SqsTarget(harness.FaultTargetBase):
@@ -379,8 +381,9 @@ class SqsTarget(harness.FaultTargetBase):
         body = harness.order(index).decode()
         # Straight to moto: it fails only while moto restarts (SQS may have stored a send whose
         # answer was lost: only acknowledged ids are expected).
+        client = self.adapter.kit.client
         response = await self.publish_retrying(
-            lambda: self.adapter.client.send_message(QueueUrl=self.adapter.queue_url, MessageBody=body),
+            lambda: self.adapter.in_thread(client.send_message, QueueUrl=self.adapter.queue_url, MessageBody=body),
             (BotoCoreError, ClientError),
         )
         self.sent.add(str(response["MessageId"]))
@@ -420,9 +423,9 @@ async def sqs_client(sqs_faults: SqsFaults) -> AsyncIterator[Any]:
 async def sqs_target(
     sqs_faults: SqsFaults, sqs_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[SqsTarget]:
-    async with queue_pair(sqs_client) as (queue_url, dlq_url):
-        conn_id = sqs_connection(monkeypatch, SQS_CONN_ID, sqs_faults.proxied)
-        yield SqsTarget(sqs_faults, SqsAdapter(sqs_client, conn_id, queue_url, dlq_url))
+    conn_id = sqs_connection(monkeypatch, SQS_CONN_ID, sqs_faults.proxied)
+    async with queue_pair(sqs_faults, sqs_client, conn_id) as adapter:
+        yield SqsTarget(sqs_faults, adapter)
 
 
 def assert_no_config_error(report: harness.FaultReport) -> None:
@@ -449,10 +452,10 @@ async def test_sqs_unreachable_endpoint_gives_one_clear_error(
     sqs_faults: SqsFaults, sqs_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = int(sqs_faults.direct.rsplit(":", 1)[1])
-    async with queue_pair(sqs_client) as (queue_url, dlq_url):
-        with harness.unreachable(port) as dead:
-            conn_id = sqs_connection(monkeypatch, "aws_faults_dead", f"http://{dead.address}")
-            adapter = SqsAdapter(sqs_client, conn_id, queue_url, dlq_url)
+    with harness.unreachable(port) as dead:
+        conn_id = sqs_connection(monkeypatch, "aws_faults_dead", f"http://{dead.address}")
+        async with queue_pair(sqs_faults, sqs_client, conn_id) as adapter:
+            queue_url = adapter.queue_url
             await harness.assert_one_clear_error(
                 "sqs/unreachable",
                 dead,
@@ -468,12 +471,11 @@ async def test_sqs_bad_credentials_give_one_clear_error(
 ) -> None:
     from moto import settings as moto_settings
 
-    async with queue_pair(sqs_client) as (queue_url, dlq_url):
+    conn_id = sqs_connection(monkeypatch, "aws_faults_badcreds", sqs_faults.proxied, secret="wrong")
+    async with queue_pair(sqs_faults, sqs_client, conn_id) as adapter:
         try:
             # moto checks credentials from now on: the key "testing" is no IAM user of its account.
             monkeypatch.setattr(moto_settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
-            conn_id = sqs_connection(monkeypatch, "aws_faults_badcreds", sqs_faults.proxied, secret="wrong")
-            adapter = SqsAdapter(sqs_client, conn_id, queue_url, dlq_url)
             # moto answers the JSON-protocol request with an XML error body, so botocore reports the
             # code as "403" and the AWS code sits in the message (real SQS: "AWS rejected the credentials").
             await harness.assert_one_clear_error(

@@ -1,115 +1,91 @@
 """
 SQS integration fixtures: a real SQS-compatible HTTP endpoint and a fresh queue pair per test.
 
-By default moto's ThreadedMotoServer is started on a free loopback port for the session. With
-``SQS_ENDPOINT_URL`` set (LocalStack, ElasticMQ, or ``https://sqs.<region>.amazonaws.com``) no
-server is started and the tests run against that endpoint with the default AWS credential chain
-(``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / profile) and ``AWS_DEFAULT_REGION``.
+By default the SQS kit (``devkit.kits.sqs.SqsKit``) starts moto's ThreadedMotoServer on a free
+loopback port for the session. With ``SQS_ENDPOINT_URL`` set (LocalStack, ElasticMQ, or
+``https://sqs.<region>.amazonaws.com``) no server is started and the tests run against that
+endpoint with the default AWS credential chain (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
+profile) and ``AWS_DEFAULT_REGION``.
 
-Queue state is always asserted through an independent aiobotocore client, never through the
-producer under test.
+Queue state is always asserted through a client independent of the producer under test: the kit
+stream's (boto3, from a worker thread), or the async aiobotocore client of the SQS-only tests.
 """
 
 from __future__ import annotations
 
-import base64
-import json
+import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from aiobotocore.session import get_session
 
 from airflow_shared_stream_provider.triggers.sqs import SqsSharedStreamTrigger
-from devkit.brokers import start_moto, stop_moto
+from devkit.kits.sqs import ENDPOINT_ENV, SqsKit, SqsOrders, original_bytes
+from tests.integration.contract import KitAdapter, cleaned_up
+from tests.integration.faults_harness import set_connection
 
 CONN_ID = "aws_shared_stream_sqs_it"
 REGION = os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
-REAL_ENDPOINT = os.environ.get("SQS_ENDPOINT_URL")
-TRANSFER_ENCODING = "content-transfer-encoding"
+REAL_ENDPOINT = os.environ.get(ENDPOINT_ENV)
 
 
 @pytest.fixture(scope="session")
-def sqs_endpoint() -> Iterator[str]:
-    """The endpoint under test: SQS_ENDPOINT_URL, else a moto server started here (never skipped)."""
-    if REAL_ENDPOINT:
-        yield REAL_ENDPOINT
-        return
-    handle = start_moto()
-    try:
-        yield handle.address
-    finally:
-        stop_moto(handle)
+def sqs_kit() -> Iterator[SqsKit]:
+    """The SQS kit: SQS_ENDPOINT_URL's endpoint (default credential chain), else a moto server started here."""
+    with SqsKit(own=False, region=REGION, credential_chain=True) as kit:
+        yield kit
 
 
-def client_kwargs(endpoint: str) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"region_name": REGION, "endpoint_url": endpoint}
-    if not REAL_ENDPOINT:
-        kwargs.update(aws_access_key_id="testing", aws_secret_access_key="testing")
-    return kwargs
+@pytest.fixture(scope="session")
+def sqs_endpoint(sqs_kit: SqsKit) -> str:
+    """The endpoint under test (never skipped)."""
+    return sqs_kit.endpoint
 
 
 @pytest.fixture
-def sqs_connection(sqs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+def sqs_connection(sqs_kit: SqsKit, monkeypatch: pytest.MonkeyPatch) -> str:
     """An Airflow ``aws`` connection (env var) pointing at the endpoint; returns its conn id."""
-    conn: dict[str, Any] = {"conn_type": "aws", "extra": {"region_name": REGION, "endpoint_url": sqs_endpoint}}
-    if not REAL_ENDPOINT:
-        conn.update(login="testing", password="testing")
-    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps(conn))
-    return CONN_ID
+    return set_connection(monkeypatch, CONN_ID, sqs_kit.connection())
 
 
 @pytest.fixture
-async def sqs_client(sqs_endpoint: str) -> AsyncIterator[Any]:
-    """The independent client tests assert queue state with."""
-    async with get_session().create_client("sqs", **client_kwargs(sqs_endpoint)) as client:
+async def sqs_client(sqs_kit: SqsKit) -> AsyncIterator[Any]:
+    """The independent async client of the SQS-only inspections."""
+    async with get_session().create_client("sqs", **sqs_kit.client_kwargs()) as client:
         yield client
 
 
-def sqs_body(body: bytes) -> tuple[str, dict[str, Any]]:
-    """SQS bodies are text: bytes that are not valid SQS text go as base64 + a transfer-encoding attribute."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    if text is not None and all(c in "\t\n\r" or " " <= c <= "\ud7ff" or c >= "\ue000" for c in text):
-        return text, {}
-    encoded = base64.b64encode(body).decode("ascii")
-    return encoded, {TRANSFER_ENCODING: {"DataType": "String", "StringValue": "base64"}}
+class SqsAdapter(KitAdapter[SqsOrders, SqsSharedStreamTrigger]):
+    """
+    :class:`tests.integration.contract.BrokerAdapter` for SQS (plus helpers for SQS-only tests) over
+    the kit's queue pair: creation, publishing, counts, dead letters and deletion are the kit's. The
+    async ``client`` is kept for the calls only SQS-only tests make.
+    """
 
+    broker = "sqs"
+    trigger_class = SqsSharedStreamTrigger
+    quick: ClassVar[dict[str, Any]] = {"wait_time_seconds": 1, "visibility_timeout": 10}
 
-def original_bytes(message: Mapping[str, Any]) -> bytes:
-    attributes = message.get("MessageAttributes") or {}
-    if attributes.get(TRANSFER_ENCODING, {}).get("StringValue") == "base64":
-        return base64.b64decode(message["Body"])
-    return str(message["Body"]).encode("utf-8")
+    def __init__(self, client: Any, conn_id: str, kit: SqsOrders) -> None:
+        super().__init__(kit, conn_id)
+        self.client = client
+        self.queue_url = kit.queue_url
+        self.dlq_url = kit.dlq_url
 
+    @classmethod
+    async def fresh(
+        cls, client: Any, conn_id: str, endpoint: str, *, region: str = REGION, moto_key: bool = True, **queues: Any
+    ) -> SqsAdapter:
+        """A fresh queue (a random name) and its dead-letter queue at ``endpoint`` (``queues``: SqsOrders' options)."""
+        name = f"it-{uuid.uuid4().hex[:12]}"
+        kit = await asyncio.to_thread(SqsOrders, endpoint, name, f"{name}-dlq", region, moto_key=moto_key, **queues)
+        return cls(client, conn_id, kit)
 
-@dataclass
-class SqsAdapter:
-    """:class:`tests.integration.contract.BrokerAdapter` for SQS (plus helpers for SQS-only tests)."""
-
-    client: Any
-    conn_id: str
-    queue_url: str
-    dlq_url: str
-    trigger_defaults: dict[str, Any] = field(default_factory=dict)
-    broker: str = "sqs"
-
-    def make_trigger(self, **kwargs: Any) -> SqsSharedStreamTrigger:
-        options: dict[str, Any] = {
-            "queue_url": self.queue_url,
-            "aws_conn_id": self.conn_id,
-            "dlq_queue_url": self.dlq_url,
-            "wait_time_seconds": 1,
-            "visibility_timeout": 10,
-            **self.trigger_defaults,
-        }
-        options.update(kwargs)
-        return SqsSharedStreamTrigger(**options)
+    def trigger_options(self) -> dict[str, Any]:
+        return {"aws_conn_id": self.conn_id, "dlq_queue_url": self.dlq_url}
 
     async def publish(
         self,
@@ -119,101 +95,49 @@ class SqsAdapter:
         group_id: str | None = None,
         message_attributes: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
-        """``attributes``: String attributes; ``message_attributes``: SQS's own shape (any DataType)."""
-        entries: list[dict[str, Any]] = []
-        for index, body in enumerate(bodies):
-            text, extra = sqs_body(body)
-            entry_attributes = {
-                name: {"DataType": "String", "StringValue": value} for name, value in (attributes or {}).items()
-            }
-            entry_attributes.update({name: dict(value) for name, value in (message_attributes or {}).items()})
-            entry_attributes.update(extra)
-            entry: dict[str, Any] = {"Id": str(index), "MessageBody": text}
-            if entry_attributes:
-                entry["MessageAttributes"] = entry_attributes
-            if group_id is not None:
-                entry["MessageGroupId"] = group_id
-                entry["MessageDeduplicationId"] = uuid.uuid4().hex
-            entries.append(entry)
-        # One batch at a time, in order, so the queue holds them in publish order.
-        for start in range(0, len(entries), 10):
-            chunk = [{**e, "Id": str(i)} for i, e in enumerate(entries[start : start + 10])]
-            response = await self.client.send_message_batch(QueueUrl=self.queue_url, Entries=chunk)
-            assert not response.get("Failed"), response["Failed"]
+        """``attributes``: String attributes; ``message_attributes``: SQS's own shape (any DataType). In order."""
+        shaped: dict[str, Mapping[str, Any]] = {
+            name: {"DataType": "String", "StringValue": value} for name, value in (attributes or {}).items()
+        }
+        shaped.update(message_attributes or {})
+        entries = [self.kit.entry(body, message_attributes=shaped, group_id=group_id) for body in bodies]
+        await self.in_thread(self.kit.send_batch, entries)
 
     async def counts(self, queue_url: str | None = None) -> tuple[int, int]:
         """(visible, in flight) as SQS reports them."""
-        response = await self.client.get_queue_attributes(
-            QueueUrl=queue_url or self.queue_url,
-            AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
-        )
-        attrs = response["Attributes"]
-        return int(attrs["ApproximateNumberOfMessages"]), int(attrs["ApproximateNumberOfMessagesNotVisible"])
-
-    async def unsettled(self) -> int:
-        visible, in_flight = await self.counts()
-        return visible + in_flight
+        return await self.in_thread(self.kit.counts, queue_url)
 
     async def dead_letter_messages(self) -> list[dict[str, Any]]:
         """Every DLQ message (body and attributes), left in the DLQ: hidden while listed, then released."""
-        seen: dict[str, dict[str, Any]] = {}
-        while True:
-            response = await self.client.receive_message(
-                QueueUrl=self.dlq_url,
-                MaxNumberOfMessages=10,
-                WaitTimeSeconds=0,
-                VisibilityTimeout=30,
-                MessageAttributeNames=["All"],
-                MessageSystemAttributeNames=["All"],
-            )
-            messages = response.get("Messages") or []
-            if not messages:
-                break
-            for message in messages:
-                seen[message["MessageId"]] = message
-        handles = [m["ReceiptHandle"] for m in seen.values()]
-        for start in range(0, len(handles), 10):
-            await self.client.change_message_visibility_batch(
-                QueueUrl=self.dlq_url,
-                Entries=[
-                    {"Id": str(i), "ReceiptHandle": h, "VisibilityTimeout": 0}
-                    for i, h in enumerate(handles[start : start + 10])
-                ],
-            )
-        return list(seen.values())
+        return await self.in_thread(self.kit.dead_letter_messages)
 
     async def dead_lettered(self) -> list[bytes]:
         return [original_bytes(m) for m in await self.dead_letter_messages()]
 
-
-async def create_queue_pair(client: Any, *, fifo: bool = False, visibility: int = 30) -> tuple[str, str]:
-    name = f"it-{uuid.uuid4().hex[:12]}"
-    suffix = ".fifo" if fifo else ""
-    attributes = {"VisibilityTimeout": str(visibility)}
-    if fifo:
-        attributes["FifoQueue"] = "true"
-    queue = await client.create_queue(QueueName=name + suffix, Attributes=attributes)
-    dlq = await client.create_queue(QueueName=name + "-dlq" + suffix, Attributes=dict(attributes))
-    return queue["QueueUrl"], dlq["QueueUrl"]
+    async def cleanup(self) -> None:
+        """Delete the queue and its dead-letter queue (the kit stream's client closed)."""
+        await self.in_thread(self.kit.delete)
 
 
 @pytest.fixture
-async def adapter(sqs_client: Any, sqs_connection: str) -> AsyncIterator[SqsAdapter]:
+async def make_adapter(sqs_client: Any, sqs_connection: str, sqs_kit: SqsKit) -> AsyncIterator[Any]:
+    """Factory: ``await make_adapter(**queues)`` gives a fresh queue pair (SqsOrders' options), deleted afterwards."""
+
+    async def make(**queues: Any) -> SqsAdapter:
+        endpoint, region, moto_key = sqs_kit.endpoint, sqs_kit.region, sqs_kit.moto_key
+        return await SqsAdapter.fresh(sqs_client, sqs_connection, endpoint, region=region, moto_key=moto_key, **queues)
+
+    async with cleaned_up(make) as tracked:
+        yield tracked
+
+
+@pytest.fixture
+async def adapter(make_adapter: Any) -> SqsAdapter:
     """A fresh standard queue + DLQ queue for one test, deleted afterwards."""
-    queue_url, dlq_url = await create_queue_pair(sqs_client)
-    try:
-        yield SqsAdapter(sqs_client, sqs_connection, queue_url, dlq_url)
-    finally:
-        for url in (queue_url, dlq_url):
-            await sqs_client.delete_queue(QueueUrl=url)
+    return await make_adapter(visibility=30)  # type: ignore[no-any-return]
 
 
 @pytest.fixture
-async def fifo_adapter(sqs_client: Any, sqs_connection: str) -> AsyncIterator[SqsAdapter]:
+async def fifo_adapter(make_adapter: Any) -> SqsAdapter:
     """A fresh FIFO queue + FIFO DLQ for one test."""
-    queue_url, dlq_url = await create_queue_pair(sqs_client, fifo=True)
-    try:
-        yield SqsAdapter(sqs_client, sqs_connection, queue_url, dlq_url)
-    finally:
-        for url in (queue_url, dlq_url):
-            await sqs_client.delete_queue(QueueUrl=url)
+    return await make_adapter(fifo=True, visibility=30)  # type: ignore[no-any-return]

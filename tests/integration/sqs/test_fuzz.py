@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import base64
 import string
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
 from hypothesis import strategies as st
 
+from devkit.kits.sqs import TRANSFER_ENCODING, original_bytes, sqs_body
 from devkit.runner import RunnerSim
 from tests.integration import fuzz
 from tests.integration.contract import wait_until_settled
 from tests.integration.fuzz import MAX_PAYLOAD_BYTES, RAISE_ATTRIBUTE, DeadRecord, FuzzMessage, FuzzSession, session
-from tests.integration.sqs.conftest import TRANSFER_ENCODING, SqsAdapter, create_queue_pair, original_bytes, sqs_body
+from tests.integration.sqs.conftest import SqsAdapter
 
 pytestmark = [pytest.mark.integration, pytest.mark.sqs]
 
@@ -158,24 +159,8 @@ class SqsFuzzTarget(fuzz.FuzzTargetBase[SqsAdapter]):
         FIFO queue hides the rest of a message group while one of its messages is in flight, so
         listing by receiving and releasing (``SqsAdapter.dead_letter_messages``) misses some.
         """
-        client = self.adapter.client
-        while True:
-            response = await client.receive_message(
-                QueueUrl=self.adapter.dlq_url,
-                MaxNumberOfMessages=10,
-                WaitTimeSeconds=0,
-                VisibilityTimeout=60,
-                MessageAttributeNames=["All"],
-                MessageSystemAttributeNames=["All"],
-            )
-            received = response.get("Messages") or []
-            if not received:
-                break
-            for raw in received:
-                self._dead.setdefault(raw["MessageId"], raw)
-            entries = [{"Id": str(i), "ReceiptHandle": raw["ReceiptHandle"]} for i, raw in enumerate(received)]
-            deleted = await client.delete_message_batch(QueueUrl=self.adapter.dlq_url, Entries=entries)
-            assert not deleted.get("Failed"), deleted["Failed"]
+        for raw in await self.adapter.in_thread(self.adapter.kit.take_dead_letter_messages):
+            self._dead.setdefault(raw["MessageId"], raw)
         records = []
         for raw in self._dead.values():
             attributes = raw.get("MessageAttributes") or {}
@@ -205,23 +190,12 @@ class SqsFuzzTarget(fuzz.FuzzTargetBase[SqsAdapter]):
 
 
 @pytest.fixture
-async def fuzz_targets(sqs_client: Any, sqs_connection: str) -> AsyncIterator[list[SqsFuzzTarget]]:
+async def fuzz_targets(make_adapter: Any) -> list[SqsFuzzTarget]:
     """A standard queue, one in batch mode and a FIFO queue in batch mode (also test_hostile.py's)."""
-    created: list[str] = []
-    targets: list[SqsFuzzTarget] = []
-    for name, batch_size, fifo in (("standard", 1, False), ("standard-batch", 4, False), ("fifo-batch", 4, True)):
-        queue_url, dlq_url = await create_queue_pair(sqs_client, fifo=fifo)
-        created += [queue_url, dlq_url]
-        targets.append(
-            SqsFuzzTarget(
-                SqsAdapter(sqs_client, sqs_connection, queue_url, dlq_url), name, batch_size=batch_size, fifo=fifo
-            )
-        )
-    try:
-        yield targets
-    finally:
-        for url in created:
-            await sqs_client.delete_queue(QueueUrl=url)
+    return [
+        SqsFuzzTarget(await make_adapter(fifo=fifo, visibility=30), name, batch_size=batch_size, fifo=fifo)
+        for name, batch_size, fifo in (("standard", 1, False), ("standard-batch", 4, False), ("fifo-batch", 4, True))
+    ]
 
 
 @fuzz.fuzz_test(

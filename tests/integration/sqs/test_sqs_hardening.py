@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -77,23 +76,9 @@ async def test_dlq_resolving_to_the_queue_itself_is_refused_at_start(adapter: Sq
 
 
 @pytest.fixture
-async def redriven_fifo(sqs_client: Any, sqs_connection: str) -> AsyncIterator[SqsAdapter]:
+async def redriven_fifo(make_adapter: Any) -> SqsAdapter:
     """A FIFO queue whose RedrivePolicy (maxReceiveCount 1) moves a message away after one receive."""
-    name = f"it-{uuid.uuid4().hex[:12]}"
-    attributes = {"FifoQueue": "true", "VisibilityTimeout": "30"}
-    dlq_url = (await sqs_client.create_queue(QueueName=name + "-redrive.fifo", Attributes=attributes))["QueueUrl"]
-    dlq_arn = (await sqs_client.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"]))["Attributes"][
-        "QueueArn"
-    ]
-    redrive = json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": 1})
-    queue_url = (
-        await sqs_client.create_queue(QueueName=name + ".fifo", Attributes={**attributes, "RedrivePolicy": redrive})
-    )["QueueUrl"]
-    try:
-        yield SqsAdapter(sqs_client, sqs_connection, queue_url, dlq_url)
-    finally:
-        for url in (queue_url, dlq_url):
-            await sqs_client.delete_queue(QueueUrl=url)
+    return await make_adapter(fifo=True, visibility=30, redrive=1)  # type: ignore[no-any-return]
 
 
 async def test_fifo_fences_do_not_grow_with_the_number_of_groups(
