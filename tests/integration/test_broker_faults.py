@@ -48,12 +48,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import boto3
 import pytest
 from aiobotocore.session import get_session
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -66,6 +64,7 @@ from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
 from airflow_shared_stream_provider.producers import sqs as sqs_producer
 from airflow_shared_stream_provider.producers.kafka_config import DEFAULT_RETRY_BACKOFF_MS, kafka_client_config
 from devkit.brokers import BrokerProcess, start_kafka, start_moto, stop_moto
+from devkit.kits.kafka import S3_BUCKET, s3_storage_env
 from devkit.kits.sqs import sqs_connection as kit_sqs_connection
 from devkit.ports import free_port
 from tests.faultproxy import FaultProxy
@@ -119,18 +118,8 @@ def kafka_s3_faults() -> Iterator[KafkaFaults]:
     """A Tansu that stores in S3 (a moto server): a restart keeps topics, records and offsets."""
     store = start_moto()
     try:
-        boto3.client(
-            "s3", endpoint_url=store.address, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
-        ).create_bucket(Bucket="tansu")
-        env = {
-            **os.environ,
-            "AWS_ENDPOINT": store.address,
-            "AWS_ALLOW_HTTP": "true",
-            "AWS_ACCESS_KEY_ID": "x",
-            "AWS_SECRET_ACCESS_KEY": "x",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }
-        with tansu_behind_proxy(storage="s3://tansu/", env=env) as faults:
+        env = s3_storage_env(store.address)
+        with tansu_behind_proxy(storage=f"s3://{S3_BUCKET}/", env=env) as faults:
             yield faults
     finally:
         stop_moto(store)
