@@ -6,9 +6,10 @@ one topic with its watched subscription and a dead-letter topic.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from devkit.brokers import BrokerProcess, start_pubsub_emulator
@@ -26,10 +27,36 @@ def pubsub_connection(project: str = PUBSUB_PROJECT) -> dict[str, Any]:
     return {"conn_type": "google_cloud_platform", "extra": {"project": project}}
 
 
+def pubsub_clients(emulator_host: str | None = None) -> tuple[Any, Any]:
+    """
+    A sync publisher and subscriber of the emulator at ``emulator_host`` (None: the one
+    ``PUBSUB_EMULATOR_HOST`` names, if any), on channels without gRPC's 4 MiB receive limit, as
+    the producer's (``producers/pubsub_client.py``): a probe pulls a 10 MB message too. Without
+    an emulator, Google's default clients.
+    """
+    from google.pubsub_v1 import PublisherClient, SubscriberClient
+
+    host = emulator_host or os.environ.get(EMULATOR_ENV)
+    if not host:
+        return PublisherClient(), SubscriberClient()
+    import grpc
+    from google.pubsub_v1.services.publisher.transports import PublisherGrpcTransport
+    from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcTransport
+
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    return (
+        PublisherClient(transport=PublisherGrpcTransport(channel=grpc.insecure_channel(host, options=options))),
+        SubscriberClient(transport=SubscriberGrpcTransport(channel=grpc.insecure_channel(host, options=options))),
+    )
+
+
 class PubSubOrders(KitStream):
     """
     A topic, its watched subscription and the dead-letter topic on a Pub/Sub endpoint (the
-    emulator: ``PUBSUB_EMULATOR_HOST`` must be set before this is built).
+    emulator at ``emulator_host``, by default the one ``PUBSUB_EMULATOR_HOST`` names when this is
+    built), created (``create=False``: later, :meth:`create`) and read with sync clients (the
+    integration tests call them from a worker thread). ``subscription_fields``: further fields of
+    the watched subscription (message ordering, a dead-letter policy, ...).
 
     How :meth:`unacked` counts without touching the watched subscription: a *probe* subscription
     on the same topic, created before anything is published, is sought to a snapshot of the
@@ -50,11 +77,13 @@ class PubSubOrders(KitStream):
         subscription: str | None = None,
         ack_deadline: int = 30,
         probe: bool = True,
+        subscription_fields: Mapping[str, Any] | None = None,
+        emulator_host: str | None = None,
+        create: bool = True,
     ) -> None:
-        from google.pubsub_v1 import PublisherClient, SubscriberClient
-
-        self.publisher = PublisherClient()
-        self.subscriber = SubscriberClient()
+        self.publisher, self.subscriber = pubsub_clients(emulator_host)
+        self.ack_deadline = ack_deadline
+        self.subscription_fields = dict(subscription_fields or {})
         self.topic = f"projects/{project}/topics/{name}"
         self.subscription = f"projects/{project}/subscriptions/{subscription or f'{name}-airflow'}"
         self.probe = f"projects/{project}/subscriptions/{name}-probe" if probe else None
@@ -64,18 +93,41 @@ class PubSubOrders(KitStream):
         self._snapshots = 0
         self.published: list[str] = []
         self.dead: dict[str, str] = {}
+        # Every message the dead-letter topic received, as (data, attributes), in the order read.
+        self.dead_messages: list[tuple[bytes, dict[str, str]]] = []
         self._lock = threading.Lock()
+        if create:
+            self.create()
+
+    def create(self) -> None:
+        """Create the topics and subscriptions (the probe before anything is published)."""
         for topic in (self.topic, self.dlq_topic):
             self.publisher.create_topic(request={"name": topic})
-        for sub, topic, deadline in (
-            (self.subscription, self.topic, ack_deadline),
-            (self.probe, self.topic, 600),
-            (self.dlq_subscription, self.dlq_topic, 600),
+        for sub, topic, fields in (
+            (self.subscription, self.topic, {"ack_deadline_seconds": self.ack_deadline, **self.subscription_fields}),
+            (self.probe, self.topic, {"ack_deadline_seconds": 600}),
+            (self.dlq_subscription, self.dlq_topic, {"ack_deadline_seconds": 600}),
         ):
             if sub is not None:
-                self.subscriber.create_subscription(
-                    request={"name": sub, "topic": topic, "ack_deadline_seconds": deadline}
-                )
+                self.subscriber.create_subscription(request={"name": sub, "topic": topic, **fields})
+
+    def delete(self) -> None:
+        """Delete the subscriptions and topics (best effort: a throwaway emulator)."""
+        deletions = [
+            *((self.subscriber.delete_subscription, {"subscription": s}) for s in self._subscriptions()),
+            *((self.publisher.delete_topic, {"topic": t}) for t in (self.dlq_topic, self.topic)),
+        ]
+        for delete, request in deletions:
+            with contextlib.suppress(Exception):
+                delete(request=request, timeout=10)
+
+    def close(self) -> None:
+        """Close the clients' channels."""
+        self.publisher.transport.close()
+        self.subscriber.transport.close()
+
+    def _subscriptions(self) -> list[str]:
+        return [s for s in (self.dlq_subscription, self.probe, self.subscription) if s is not None]
 
     chunk_size = 500
 
@@ -83,6 +135,25 @@ class PubSubOrders(KitStream):
         """One publish request (Pub/Sub has no key here); the message ids."""
         request = {"topic": self.topic, "messages": [{"data": body} for body, _ in chunk]}
         return list(self.publisher.publish(request=request, timeout=60).message_ids)
+
+    def publish_messages(
+        self, bodies: Sequence[bytes], *, attributes: Mapping[str, str] | None = None, ordering_key: str | None = None
+    ) -> list[str]:
+        """
+        Publish ``bodies`` in order, each with ``attributes`` and ``ordering_key``, :attr:`chunk_size`
+        per request, each tried once (a failure raises: the caller decides on a retry); the message ids.
+        """
+        ids: list[str] = []
+        for start in range(0, len(bodies), self.chunk_size):
+            messages = [
+                {"data": body, "attributes": dict(attributes or {}), "ordering_key": ordering_key or ""}
+                for body in bodies[start : start + self.chunk_size]
+            ]
+            response = self.publisher.publish(
+                request={"topic": self.topic, "messages": messages}, timeout=30, retry=None
+            )
+            ids.extend(response.message_ids)
+        return ids
 
     def publish(
         self, messages: Sequence[OrderMessage], *, rate: float | None = None, stop: threading.Event | None = None
@@ -127,11 +198,12 @@ class PubSubOrders(KitStream):
         # The probe's messages stay unacked (its deadline is long): the next seek resets it anyway.
         return len({r.message.message_id for r in self._pull_all(self.probe)})
 
-    def dead_letters(self) -> dict[str, str]:
-        """``source message id -> x-dead-letter-reason``, accumulated over every read of the DLQ."""
+    def dead_letter_messages(self) -> list[tuple[bytes, dict[str, str]]]:
+        """Every message the dead-letter topic received so far, ``(data, attributes)`` (read and acked once)."""
         received = self._pull_all(self.dlq_subscription)
         for r in received:
             attributes = dict(r.message.attributes)
+            self.dead_messages.append((bytes(r.message.data), attributes))
             self.dead[attributes.get(DEAD_LETTER_MESSAGE_ID, r.message.message_id)] = attributes.get(
                 DEAD_LETTER_REASON, ""
             )
@@ -139,6 +211,11 @@ class PubSubOrders(KitStream):
             self.subscriber.acknowledge(
                 request={"subscription": self.dlq_subscription, "ack_ids": [r.ack_id for r in received]}
             )
+        return list(self.dead_messages)
+
+    def dead_letters(self) -> dict[str, str]:
+        """``source message id -> x-dead-letter-reason``, accumulated over every read of the DLQ."""
+        self.dead_letter_messages()
         return dict(self.dead)
 
     def unsettled(self) -> int:
@@ -158,9 +235,12 @@ class PubSubKit(BrokerKit):
     name = "pubsub"
     address_env = EMULATOR_ENV
 
-    def __init__(self, *, own: bool | None = None, project: str = PUBSUB_PROJECT) -> None:
+    def __init__(self, *, own: bool | None = None, project: str = PUBSUB_PROJECT, set_env: bool = True) -> None:
         super().__init__(own=own)
         self.project = project
+        # False: the process environment is left alone (the caller sets the variable where its
+        # clients need it, as the integration tests do per test; the kit's streams are given the address).
+        self.set_env = set_env
         self.process: BrokerProcess | None = None
         self._saved_env: str | None = None
         self._env_set = False
@@ -168,8 +248,9 @@ class PubSubKit(BrokerKit):
     def _start_own(self) -> str:
         self.process = start_pubsub_emulator()
         self.address = self.process.address
-        self._saved_env, self._env_set = os.environ.get(EMULATOR_ENV), True
-        os.environ[EMULATOR_ENV] = self.address
+        if self.set_env:
+            self._saved_env, self._env_set = os.environ.get(EMULATOR_ENV), True
+            os.environ[EMULATOR_ENV] = self.address
         return f"Pub/Sub emulator {self.address}"
 
     def stop(self) -> None:
@@ -189,8 +270,10 @@ class PubSubKit(BrokerKit):
     def env(self) -> dict[str, str]:
         return {EMULATOR_ENV: self.address}
 
-    def stream(
-        self, name: str, *, subscription: str | None = None, ack_deadline: int = 30, probe: bool = True
-    ) -> PubSubOrders:
-        """Topic ``name``, its subscription (``<name>-airflow`` by default) and dead-letter topic, created."""
-        return PubSubOrders(self.project, name=name, subscription=subscription, ack_deadline=ack_deadline, probe=probe)
+    def stream(self, name: str, **options: Any) -> PubSubOrders:
+        """
+        Topic ``name``, its subscription (``<name>-airflow`` by default) and dead-letter topic, created
+        on the kit's emulator; ``options``: :class:`PubSubOrders`' (``subscription``, ``ack_deadline``,
+        ``probe``, ``subscription_fields``).
+        """
+        return PubSubOrders(self.project, name=name, emulator_host=self.address, **options)

@@ -88,31 +88,17 @@ def pubsub_faults() -> Iterator[PubSubFaults]:
         faults.emulator.stop()  # the current process: a restart replaced it
 
 
-def direct_clients(address: str) -> tuple[Any, Any]:
-    """The test's own publisher and subscriber, straight to the emulator (never through the proxy)."""
-    import grpc
-    from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
-    from google.pubsub_v1.services.publisher.transports import PublisherGrpcAsyncIOTransport
-    from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcAsyncIOTransport
-
-    publisher = PublisherAsyncClient(
-        transport=PublisherGrpcAsyncIOTransport(channel=grpc.aio.insecure_channel(address))
-    )
-    subscriber = SubscriberAsyncClient(
-        transport=SubscriberGrpcAsyncIOTransport(channel=grpc.aio.insecure_channel(address))
-    )
-    return publisher, subscriber
-
-
 @contextlib.asynccontextmanager
 async def pubsub_adapter(faults: PubSubFaults) -> AsyncIterator[PubSubAdapter]:
-    """An adapter with fresh topic and subscription names, its clients straight to the emulator (closed after)."""
-    publisher, subscriber = direct_clients(faults.direct)
+    """
+    An adapter with fresh topic and subscription names (not created yet), its kit stream's clients
+    straight to the emulator, never through the proxy (closed after).
+    """
+    adapter = PubSubAdapter.fresh(None, faults.direct, create=False)
     try:
-        yield PubSubAdapter(publisher, subscriber, suffix=uuid.uuid4().hex[:12])
+        yield adapter
     finally:
-        await publisher.transport.close()
-        await subscriber.transport.close()
+        await adapter.in_thread(adapter.kit.close)
 
 
 class PubSubTarget(harness.FaultTargetBase):
@@ -167,7 +153,6 @@ class PubSubTarget(harness.FaultTargetBase):
         self.faults.emulator.stop()
         await asyncio.sleep(down)
         self.faults.emulator = await asyncio.to_thread(start_pubsub_emulator, port=self.faults.port)
-        self.adapter.created.clear()
         await self.adapter.setup()
         self.restarts += 1
         self._ready.set()
@@ -190,7 +175,7 @@ async def pubsub_target(pubsub_faults: PubSubFaults, monkeypatch: pytest.MonkeyP
         try:
             yield PubSubTarget(pubsub_faults, adapter)
         finally:
-            await adapter.teardown()
+            await adapter.in_thread(adapter.kit.delete)
 
 
 @pytest.mark.pubsub

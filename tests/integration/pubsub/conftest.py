@@ -1,44 +1,42 @@
 """
 Pub/Sub integration fixtures: Google's official emulator, and a fresh stream per test.
 
-The emulator is started once per session on a free loopback port, unless ``PUBSUB_EMULATOR_HOST``
-already points at one (then it is used as is and never stopped here). A missing emulator fails
-the session with the install hint; it never skips.
+The Pub/Sub kit (``devkit.kits.pubsub.PubSubKit``) starts the emulator once per session on a free
+loopback port, unless ``PUBSUB_EMULATOR_HOST`` already points at one (then it is used as is and
+never stopped here). A missing emulator fails the session with the install hint; it never skips.
 
-How :meth:`PubSubAdapter.unsettled` counts without touching the watched subscription: every test
-gets, next to the watched subscription, a *probe* subscription on the same topic, created before
-anything is published (so it holds every message). To count, the adapter snapshots the watched
-subscription (a snapshot holds exactly its unacknowledged messages, leased ones included), seeks
-the probe to that snapshot (the probe's acked/unacked state becomes the watched one's) and pulls
-the probe dry. The watched subscription is never pulled, acked or nacked by the observer, so
-counting neither steals messages from the producer nor bumps their delivery attempts.
+How :meth:`PubSubAdapter.unsettled` counts without touching the watched subscription: the kit
+stream's probe (``PubSubOrders.unacked``), a second subscription on the same topic, created before
+anything is published, sought to a snapshot of the watched one and pulled dry. The watched
+subscription is never pulled, acked or nacked by the observer, so counting neither steals messages
+from the producer nor bumps their delivery attempts.
 """
 
 # mypy: disable-error-code="no-untyped-call"
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from airflow_shared_stream_provider.triggers.pubsub import PubSubSharedStreamTrigger
-from devkit.brokers import BrokerStartError, start_pubsub_emulator
+from devkit.brokers import BrokerStartError
+from devkit.kits.pubsub import EMULATOR_ENV, PubSubKit, PubSubOrders
+from tests.integration.contract import KitAdapter, cleaned_up
 
 PROJECT = "shared-stream-tests"
 
 
 @pytest.fixture(scope="session")
 def pubsub_emulator() -> Iterator[str]:
-    existing = os.environ.get("PUBSUB_EMULATOR_HOST")
-    if existing:
-        yield existing
-        return
+    """The emulator's address: PUBSUB_EMULATOR_HOST's, else one the kit starts here (never skipped)."""
+    # set_env=False: each test sets the variable (below), the session's environment stays as it was.
+    kit = PubSubKit(own=False, project=PROJECT, set_env=False)
     try:
-        handle = start_pubsub_emulator()
+        kit.start()
     except BrokerStartError as exc:
         pytest.fail(
             f"Pub/Sub integration tests need Google's emulator: {exc} "
@@ -46,65 +44,61 @@ def pubsub_emulator() -> Iterator[str]:
             pytrace=False,
         )
     try:
-        yield handle.address
+        yield kit.address
     finally:
-        handle.stop()
+        kit.stop()
 
 
 @pytest.fixture(autouse=True)
 def _emulator_env(pubsub_emulator: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The producer (like every Google client) reads PUBSUB_EMULATOR_HOST when it builds its client.
-    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_emulator)
+    monkeypatch.setenv(EMULATOR_ENV, pubsub_emulator)
 
 
-class PubSubAdapter:
-    """A topic, its watched subscription, a probe subscription and a dead-letter topic + subscription."""
+class PubSubAdapter(KitAdapter[PubSubOrders, PubSubSharedStreamTrigger]):
+    """
+    A topic, its watched subscription, a probe subscription and a dead-letter topic + subscription:
+    the kit's stream (creation, publishing, the unacked count, dead letters, deletion). The async
+    ``subscriber`` is kept for the pulls only Pub/Sub-only tests make.
+    """
 
     broker = "pubsub"
+    trigger_class = PubSubSharedStreamTrigger
+    quick: ClassVar[dict[str, Any]] = {"pull_timeout": 1.0}
 
-    def __init__(self, publisher: Any, subscriber: Any, *, suffix: str) -> None:
-        self.publisher = publisher
+    def __init__(self, subscriber: Any | None, kit: PubSubOrders) -> None:
+        # The triggers name no connection: the producer finds the emulator through PUBSUB_EMULATOR_HOST.
+        super().__init__(kit, conn_id="")
         self.subscriber = subscriber
-        self.topic = f"projects/{PROJECT}/topics/t-{suffix}"
-        self.subscription = f"projects/{PROJECT}/subscriptions/s-{suffix}"
-        self.probe = f"projects/{PROJECT}/subscriptions/probe-{suffix}"
-        self.dead_letter_topic = f"projects/{PROJECT}/topics/dlt-{suffix}"
-        self.dead_letter_subscription = f"projects/{PROJECT}/subscriptions/dls-{suffix}"
-        self.suffix = suffix
-        self._dead: list[tuple[bytes, dict[str, str]]] = []
-        self._snapshots = 0
-        self.created: list[tuple[str, str]] = []
+        self.topic = kit.topic
+        self.subscription = kit.subscription
+        self.dead_letter_topic = kit.dlq_topic
 
-    async def setup(self, **subscription: Any) -> None:
-        await self.publisher.create_topic(request={"name": self.topic})
-        self.created.append(("topic", self.topic))
-        await self.publisher.create_topic(request={"name": self.dead_letter_topic})
-        self.created.append(("topic", self.dead_letter_topic))
-        await self.create_subscription(self.subscription, **{"ack_deadline_seconds": 10, **subscription})
-        await self.create_subscription(self.probe, ack_deadline_seconds=600)
-        await self.create_subscription(
-            self.dead_letter_subscription, topic=self.dead_letter_topic, ack_deadline_seconds=600
+    @classmethod
+    def fresh(cls, subscriber: Any | None, emulator: str, *, create: bool = True, **subscription: Any) -> PubSubAdapter:
+        """A fresh stream (random names) on ``emulator`` (``subscription``: the watched subscription's fields)."""
+        ack_deadline = subscription.pop("ack_deadline_seconds", 10)
+        kit = PubSubOrders(
+            PROJECT,
+            name=f"it-{uuid.uuid4().hex[:12]}",
+            ack_deadline=ack_deadline,
+            subscription_fields=subscription,
+            emulator_host=emulator,
+            create=create,
         )
+        return cls(subscriber, kit)
 
-    async def create_subscription(self, name: str, *, topic: str | None = None, **fields: Any) -> None:
-        await self.subscriber.create_subscription(request={"name": name, "topic": topic or self.topic, **fields})
-        self.created.append(("subscription", name))
+    def trigger_options(self) -> dict[str, Any]:
+        return {"dead_letter_topic": self.dead_letter_topic}
 
-    async def teardown(self) -> None:
-        for kind, name in reversed(self.created):
-            try:
-                if kind == "subscription":
-                    await self.subscriber.delete_subscription(request={"subscription": name}, timeout=10)
-                else:
-                    await self.publisher.delete_topic(request={"topic": name}, timeout=10)
-            except Exception:
-                pass  # best-effort cleanup on a throwaway emulator
+    async def setup(self) -> None:
+        """Create the topics and subscriptions (again: after an emulator restart)."""
+        await self.in_thread(self.kit.create)
 
-    # -- BrokerAdapter -------------------------------------------------------------------------
-    def make_trigger(self, **kwargs: Any) -> PubSubSharedStreamTrigger:
-        kwargs.setdefault("dead_letter_topic", self.dead_letter_topic)
-        kwargs.setdefault("pull_timeout", 1.0)
-        return PubSubSharedStreamTrigger(subscription=self.subscription, **kwargs)
+    async def cleanup(self) -> None:
+        """Delete them (best effort) and close the kit stream's clients."""
+        await self.in_thread(self.kit.delete)
+        await self.in_thread(self.kit.close)
 
     async def publish(
         self,
@@ -113,97 +107,38 @@ class PubSubAdapter:
         attributes: Mapping[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> list[str]:
-        ids: list[str] = []
-        for start in range(0, len(bodies), 500):
-            messages = [
-                {"data": body, "attributes": dict(attributes or {}), "ordering_key": ordering_key or ""}
-                for body in bodies[start : start + 500]
-            ]
-            response = await self.publisher.publish(
-                request={"topic": self.topic, "messages": messages}, timeout=30, retry=None
-            )
-            ids.extend(response.message_ids)
-        return ids
-
-    async def unsettled(self) -> int:
-        """Unacked messages of the watched subscription, counted on the probe (see module doc)."""
-        from google.api_core import exceptions as gexc
-
-        self._snapshots += 1
-        snapshot = f"projects/{PROJECT}/snapshots/snap-{self.suffix}-{self._snapshots}"
-        await self.subscriber.create_snapshot(request={"name": snapshot, "subscription": self.subscription})
-        try:
-            await self.subscriber.seek(request={"subscription": self.probe, "snapshot": snapshot})
-        finally:
-            await self.subscriber.delete_snapshot(request={"snapshot": snapshot})
-        count = 0
-        while True:
-            try:
-                response = await self.subscriber.pull(
-                    request={"subscription": self.probe, "max_messages": 1000}, timeout=0.5, retry=None
-                )
-            except gexc.DeadlineExceeded:
-                break
-            if not response.received_messages:
-                break
-            count += len(response.received_messages)
-        return count
+        return await self.in_thread(self.kit.publish_messages, bodies, attributes=attributes, ordering_key=ordering_key)
 
     async def dead_letters(self) -> list[tuple[bytes, dict[str, str]]]:
         """Every message that reached the dead-letter topic so far: ``(data, attributes)``."""
-        from google.api_core import exceptions as gexc
-
-        while True:
-            try:
-                response = await self.subscriber.pull(
-                    request={"subscription": self.dead_letter_subscription, "max_messages": 1000},
-                    timeout=0.5,
-                    retry=None,
-                )
-            except gexc.DeadlineExceeded:
-                break
-            received = response.received_messages
-            if not received:
-                break
-            self._dead.extend((bytes(r.message.data), dict(r.message.attributes)) for r in received)
-            await self.subscriber.acknowledge(
-                request={"subscription": self.dead_letter_subscription, "ack_ids": [r.ack_id for r in received]}
-            )
-        return list(self._dead)
+        return await self.in_thread(self.kit.dead_letter_messages)
 
     async def dead_lettered(self) -> list[bytes]:
         return [data for data, _ in await self.dead_letters()]
 
 
 @pytest.fixture
-async def pubsub_clients(pubsub_emulator: str) -> AsyncIterator[tuple[Any, Any]]:
-    """Publisher and subscriber clients of the observer, independent of the producer's."""
-    from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
+async def pubsub_subscriber(pubsub_emulator: str) -> AsyncIterator[Any]:
+    """The async subscriber of the Pub/Sub-only tests' pulls, independent of the producer's."""
+    from google.pubsub_v1 import SubscriberAsyncClient
 
-    publisher = PublisherAsyncClient()
     subscriber = SubscriberAsyncClient()
     try:
-        yield publisher, subscriber
+        yield subscriber
     finally:
-        await publisher.transport.close()
         await subscriber.transport.close()
         await asyncio.sleep(0)
 
 
 @pytest.fixture
-async def make_adapter(pubsub_clients: tuple[Any, Any]) -> AsyncIterator[Any]:
-    """Factory: ``await make_adapter(**subscription_fields)`` gives a fresh stream."""
-    adapters: list[PubSubAdapter] = []
+async def make_adapter(pubsub_subscriber: Any, pubsub_emulator: str) -> AsyncIterator[Any]:
+    """Factory: ``await make_adapter(**subscription_fields)`` gives a fresh stream, deleted afterwards."""
 
     async def make(**subscription: Any) -> PubSubAdapter:
-        adapter = PubSubAdapter(*pubsub_clients, suffix=uuid.uuid4().hex[:12])
-        adapters.append(adapter)
-        await adapter.setup(**subscription)
-        return adapter
+        return await asyncio.to_thread(PubSubAdapter.fresh, pubsub_subscriber, pubsub_emulator, **subscription)
 
-    yield make
-    for adapter in adapters:
-        await adapter.teardown()
+    async with cleaned_up(make) as tracked:
+        yield tracked
 
 
 @pytest.fixture

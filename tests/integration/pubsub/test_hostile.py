@@ -11,11 +11,8 @@ non-UTF-8 bytes (the client refuses them); message ids are the server's.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-from typing import Any, Final
+from typing import Final
 
-import grpc
 import pytest
 
 from tests.integration.fuzz import DEAD_LETTER_REASON, DeadRecord
@@ -61,31 +58,6 @@ def pubsub_cases() -> list[HostileCase]:
 
 def reasons_of(record: DeadRecord) -> list[str]:
     return [value for name, value in record.attributes.items() if name.lower() == DEAD_LETTER_REASON]
-
-
-@pytest.fixture
-async def pubsub_clients(pubsub_emulator: str) -> AsyncIterator[tuple[Any, Any]]:
-    """
-    The observer's clients (overriding conftest's) on channels without gRPC's 4 MiB receive limit,
-    as the producer's (producers/pubsub_client.py): the probe pulls the 10 MB message too.
-    """
-    from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
-    from google.pubsub_v1.services.publisher.transports.grpc_asyncio import PublisherGrpcAsyncIOTransport
-    from google.pubsub_v1.services.subscriber.transports.grpc_asyncio import SubscriberGrpcAsyncIOTransport
-
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-    publisher = PublisherAsyncClient(
-        transport=PublisherGrpcAsyncIOTransport(channel=grpc.aio.insecure_channel(pubsub_emulator, options=options))
-    )
-    subscriber = SubscriberAsyncClient(
-        transport=SubscriberGrpcAsyncIOTransport(channel=grpc.aio.insecure_channel(pubsub_emulator, options=options))
-    )
-    try:
-        yield publisher, subscriber
-    finally:
-        await publisher.transport.close()
-        await subscriber.transport.close()
-        await asyncio.sleep(0)
 
 
 @pytest.mark.timeout(300)
