@@ -50,13 +50,14 @@ from google.api_core import exceptions as gexc
 
 from airflow_shared_stream_provider._core.errors import BrokerUnavailableError, SharedStreamConfigError
 from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
-from airflow_shared_stream_provider.triggers.servicebus import ServiceBusSharedStreamTrigger
 from devkit.brokers import BrokerProcess, start_pubsub_emulator
+from devkit.kits.servicebus import ServiceBusKit, servicebus_connection
 from devkit.ports import free_port
 from tests.faultproxy import FaultProxy
 from tests.integration import faults_harness as harness
 from tests.integration.faults_harness import _slow_opt_in, print_fault_reports
 from tests.integration.pubsub.conftest import PubSubAdapter
+from tests.integration.servicebus.conftest import ServiceBusAdapter
 from tests.servicebus_broker.broker import BrokerHandle, start_broker
 
 __all__ = ["_slow_opt_in", "print_fault_reports"]  # fixtures used by this module
@@ -238,9 +239,7 @@ def sb_connection_string(port: int, key: str = SAS_KEY) -> str:
 
 
 def sb_connection(monkeypatch: pytest.MonkeyPatch, conn_id: str, port: int, key: str = SAS_KEY) -> str:
-    return harness.set_connection(
-        monkeypatch, conn_id, {"conn_type": "azure_service_bus", "schema": sb_connection_string(port, key)}
-    )
+    return harness.set_connection(monkeypatch, conn_id, servicebus_connection(sb_connection_string(port, key)))
 
 
 @dataclass
@@ -248,11 +247,13 @@ class ServiceBusFaults:
     proxy: FaultProxy
     broker: BrokerHandle
 
-    def new_queue(self, **options: Any) -> str:
-        """A fresh queue on the test broker (``options``: its lock duration, max delivery count...)."""
-        queue = f"faults-{uuid.uuid4().hex[:8]}"
-        self.broker.create_queue(queue, **options)
-        return queue
+    def new_queue(self, conn_id: str, **options: Any) -> ServiceBusAdapter:
+        """
+        A fresh queue on the test broker, made by the Service Bus kit (``options``: its lock duration,
+        max delivery count...), and its adapter; the triggers use ``conn_id``.
+        """
+        kit = ServiceBusKit(handle=self.broker).stream(f"faults-{uuid.uuid4().hex[:8]}", **options)
+        return ServiceBusAdapter(kit, conn_id)
 
 
 @pytest.fixture(scope="module")
@@ -269,19 +270,16 @@ class ServiceBusTarget(harness.FaultTargetBase):
     broker = "servicebus"
     kept_on_restart = "the test broker kept its entities, messages and locks"
 
-    def __init__(self, faults: ServiceBusFaults, conn_id: str, queue: str) -> None:
+    def __init__(self, faults: ServiceBusFaults, adapter: ServiceBusAdapter) -> None:
         super().__init__(faults.proxy)
         self.faults = faults
-        self.conn_id = conn_id
-        self.queue = queue
+        self.adapter = adapter
+        self.queue = adapter.queue
         self._client: ServiceBusClient | None = None
         self._sender: ServiceBusSender | None = None
 
     def make_trigger(self, **kwargs: Any) -> SharedStreamTrigger:
-        options: dict[str, Any] = {"queue_name": self.queue, "azure_service_bus_conn_id": self.conn_id}
-        options["max_wait_time"] = 0.5
-        options.update(kwargs)
-        return ServiceBusSharedStreamTrigger(**options)
+        return self.adapter.make_trigger(**kwargs)
 
     async def publish(self, index: int) -> None:
         message_id = f"order-{index}"
@@ -307,8 +305,7 @@ class ServiceBusTarget(harness.FaultTargetBase):
                     await asyncio.wait_for(closable.close(), timeout=5)
 
     async def unsettled(self) -> int:
-        counts = await asyncio.to_thread(self.faults.broker.counts, self.queue)
-        return int(counts.active + counts.locked + counts.deferred)
+        return await self.adapter.unsettled()
 
     async def restart(self, down: float) -> None:
         await asyncio.to_thread(self.faults.broker.restart_listener, down)
@@ -322,9 +319,8 @@ class ServiceBusTarget(harness.FaultTargetBase):
 async def servicebus_target(
     servicebus_faults: ServiceBusFaults, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[ServiceBusTarget]:
-    queue = servicebus_faults.new_queue(lock_duration=5.0, max_delivery_count=10)
     conn_id = sb_connection(monkeypatch, "servicebus_faults", servicebus_faults.proxy.port)
-    target = ServiceBusTarget(servicebus_faults, conn_id, queue)
+    target = ServiceBusTarget(servicebus_faults, servicebus_faults.new_queue(conn_id, lock_duration=5.0))
     try:
         yield target
     finally:
@@ -358,10 +354,10 @@ async def test_servicebus_broker_restart_keeps_its_data_and_loses_nothing(
 async def test_servicebus_unreachable_gives_one_clear_error(
     servicebus_faults: ServiceBusFaults, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    queue = servicebus_faults.new_queue()
     with harness.unreachable(servicebus_faults.broker.port) as dead:
         conn_id = sb_connection(monkeypatch, "servicebus_faults_dead", dead.port)
-        target = ServiceBusTarget(servicebus_faults, conn_id, queue)
+        target = ServiceBusTarget(servicebus_faults, servicebus_faults.new_queue(conn_id))
+        queue = target.queue
         # The SDK's ServiceBusConnectionError (after its own retries), as a BrokerUnavailableError
         # that names the entity and the connection.
         await harness.assert_one_clear_error(
@@ -377,9 +373,9 @@ async def test_servicebus_unreachable_gives_one_clear_error(
 async def test_servicebus_bad_sas_key_gives_one_clear_error(
     servicebus_faults: ServiceBusFaults, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    queue = servicebus_faults.new_queue()
     conn_id = sb_connection(monkeypatch, "servicebus_faults_badkey", servicebus_faults.proxy.port, key="wrong")
-    target = ServiceBusTarget(servicebus_faults, conn_id, queue)
+    target = ServiceBusTarget(servicebus_faults, servicebus_faults.new_queue(conn_id))
+    queue = target.queue
     await harness.assert_one_clear_error(
         "servicebus/bad-sas-key",
         servicebus_faults.proxy,

@@ -3,7 +3,8 @@ Service Bus integration fixtures: the wire-level test broker, or SERVICEBUS_CONN
 
 Without the variable every test gets its own test broker (``tests/servicebus_broker``), a real
 AMQP 1.0 endpoint the unmodified ``azure.servicebus.aio`` SDK talks to over loopback. With it, the
-same tests run against the official emulator or a real namespace:
+same tests run against the official emulator or a real namespace (the Service Bus kit's,
+``devkit.kits.servicebus.ServiceBusKit``):
 
 * a real namespace: each test creates a fresh queue through ``ServiceBusAdministrationClient``
   (lock duration and max delivery count as the test asks) and deletes it afterwards;
@@ -12,58 +13,58 @@ same tests run against the official emulator or a real namespace:
   before each test. Tests that need a particular lock duration or max delivery count adapt to what
   the queue reports, or are skipped with the reason when they cannot.
 
-Broker state is always asserted independently of the producer: through the test broker's
-inspection API, or by peeking with a separate SDK client.
+Broker state is always asserted independently of the producer, by the kit's queues
+(``ServiceBusOrders``): through the test broker's inspection API, or by peeking with a separate
+SDK client.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
+import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
-from azure.servicebus import ServiceBusMessage, ServiceBusReceivedMessage, ServiceBusReceiveMode, ServiceBusSubQueue
+from azure.servicebus import ServiceBusReceivedMessage
 from azure.servicebus.aio import ServiceBusClient
 
 from airflow_shared_stream_provider.producers.servicebus import ServiceBusSharedStreamProducer
 from airflow_shared_stream_provider.triggers.servicebus import ServiceBusSharedStreamTrigger
+from devkit.kits.servicebus import (
+    CONNECTION_STRING_ENV,
+    QUEUE_ENV,
+    DeadLetter,
+    ServiceBusKit,
+    ServiceBusOrders,
+    servicebus_connection,
+)
 from devkit.runner import record_producers
+from tests.integration.contract import KitAdapter
+from tests.integration.faults_harness import set_connection
 from tests.servicebus_broker.fixtures import servicebus_broker
 
 __all__ = ["servicebus_broker"]
 
-EXTERNAL = os.environ.get("SERVICEBUS_CONNECTION_STRING")
+EXTERNAL = os.environ.get(CONNECTION_STRING_ENV)
 DEFAULT_LOCK = 5.0
 DEFAULT_MAX_DELIVERY_COUNT = 10
 
 
-def body_of(message: ServiceBusReceivedMessage) -> bytes:
-    body = message.body
-    return bytes(body) if isinstance(body, bytes | bytearray) else b"".join(body)
-
-
-@dataclass
-class DeadLetter:
-    body: bytes
-    reason: str | None
-    description: str | None
-    delivery_count: int
-
-
 class ServiceBusEnv:
-    """One namespace for one test: the test broker, or an external one. Owns one SDK client."""
+    """
+    One namespace for one test, the kit's (the test broker, or an external one): its queues are kit
+    streams, read in worker threads. Owns one async SDK client, for the sends only Service Bus-only
+    tests make (topics, senders of their own).
+    """
 
-    def __init__(self, connection_string: str, handle: Any | None) -> None:
-        self.connection_string = connection_string
-        self.handle: Any = handle  # tests.servicebus_broker.broker.BrokerHandle, or None when external
+    def __init__(self, kit: ServiceBusKit) -> None:
+        self.kit = kit
+        self.connection_string = kit.connection_string
+        self.handle: Any = kit.handle  # tests.servicebus_broker.broker.BrokerHandle, or None when external
         self.client: ServiceBusClient | None = None
-        self._created: list[str] = []
+        self.streams: dict[str, ServiceBusOrders] = {}
 
     @property
     def local(self) -> bool:
@@ -77,15 +78,16 @@ class ServiceBusEnv:
     async def __aexit__(self, *exc: object) -> None:
         if self.client is not None:
             await self.client.close()
-        if self._created and not self.local:
-            from azure.servicebus.aio.management import ServiceBusAdministrationClient
+        for stream in self.streams.values():
+            await asyncio.to_thread(stream.close)
+            await asyncio.to_thread(stream.delete)
 
-            async with ServiceBusAdministrationClient.from_connection_string(self.connection_string) as admin:
-                for name in self._created:
-                    with contextlib.suppress(Exception):
-                        await admin.delete_queue(name)
+    def stream(self, queue: str) -> ServiceBusOrders:
+        """The kit stream of ``queue`` (one this test did not create: taken as it is)."""
+        if queue not in self.streams:
+            self.streams[queue] = self.kit.stream(queue, create=False)
+        return self.streams[queue]
 
-    # -- entities ----------------------------------------------------------------------------
     async def create_queue(
         self,
         prefix: str = "q",
@@ -95,35 +97,20 @@ class ServiceBusEnv:
         requires_session: bool = False,
     ) -> str:
         """A fresh queue (local / real namespace) or the drained SERVICEBUS_QUEUE (emulator)."""
-        name = f"{prefix}-{uuid.uuid4().hex[:8]}"
-        if self.local:
-            self.handle.create_queue(
-                name,
-                lock_duration=lock_duration,
-                max_delivery_count=max_delivery_count,
-                requires_session=requires_session,
-            )
-            return name
-        fixed = os.environ.get("SERVICEBUS_QUEUE")
-        if fixed and requires_session:
+        if not self.local and os.environ.get(QUEUE_ENV) and requires_session:
             pytest.skip("SERVICEBUS_QUEUE is a pre-declared queue; this test needs a session-enabled one")
-        if fixed:
-            await self.drain(fixed)
-            await self.drain(fixed, dead_letter=True)
-            return fixed
-        from azure.servicebus.aio.management import ServiceBusAdministrationClient
+        stream = await asyncio.to_thread(
+            self.kit.stream,
+            f"{prefix}-{uuid.uuid4().hex[:8]}",
+            lock_duration=lock_duration,
+            max_delivery_count=max_delivery_count,
+            requires_session=requires_session,
+        )
+        if (replaced := self.streams.get(stream.queue)) is not None:  # SERVICEBUS_QUEUE again
+            await asyncio.to_thread(replaced.close)
+        self.streams[stream.queue] = stream
+        return stream.queue
 
-        async with ServiceBusAdministrationClient.from_connection_string(self.connection_string) as admin:
-            await admin.create_queue(
-                name,
-                lock_duration=timedelta(seconds=lock_duration),
-                max_delivery_count=max_delivery_count,
-                requires_session=requires_session,
-            )
-        self._created.append(name)
-        return name
-
-    # -- publishing --------------------------------------------------------------------------
     async def publish(
         self,
         queue: str,
@@ -132,87 +119,39 @@ class ServiceBusEnv:
         attributes: Mapping[str, Any] | None = None,
         **message_kwargs: Any,
     ) -> None:
-        assert self.client is not None
-        properties: dict[str | bytes, Any] | None = {k: v for k, v in attributes.items()} if attributes else None
-        async with self.client.get_queue_sender(queue) as sender:
-            for start in range(0, len(bodies), 100):
-                batch = await sender.create_message_batch()
-                for body in bodies[start : start + 100]:
-                    batch.add_message(ServiceBusMessage(body, application_properties=properties, **message_kwargs))
-                await sender.send_messages(batch)
+        await asyncio.to_thread(self.stream(queue).send, bodies, attributes=attributes, **message_kwargs)
 
     # -- inspection (independent of the producer) --------------------------------------------
     async def unsettled(self, queue: str) -> int:
         """Messages still in the queue: available, locked or deferred."""
-        if self.local:
-            counts = self.handle.counts(queue)
-            return int(counts.active + counts.locked + counts.deferred)
-        return len(await self._peek(queue))
+        return await asyncio.to_thread(self.stream(queue).backlog)
 
     async def dead_letters(self, queue: str) -> list[DeadLetter]:
-        if self.local:
-            return [
-                DeadLetter(
-                    body=m.body if isinstance(m.body, bytes) else bytes(m.body),
-                    reason=m.dead_letter_reason,
-                    description=m.dead_letter_description,
-                    delivery_count=m.delivery_count,
-                )
-                for m in self.handle.dead_letters(queue)
-            ]
-        return [
-            DeadLetter(body_of(m), m.dead_letter_reason, m.dead_letter_error_description, m.delivery_count or 0)
-            for m in await self._peek(queue, dead_letter=True)
-        ]
+        return await asyncio.to_thread(self.stream(queue).dead_letter_records)
 
     async def delivery_counts(self, queue: str) -> list[int]:
         """delivery_count of every message still in the queue (by sequence number)."""
-        if self.local:
-            return [m.delivery_count for m in self.handle.messages(queue)]
-        return [m.delivery_count or 0 for m in await self._peek(queue)]
+        return await asyncio.to_thread(self.stream(queue).delivery_counts)
 
     async def _peek(self, queue: str, *, dead_letter: bool = False) -> list[ServiceBusReceivedMessage]:
-        assert self.client is not None
-        sub_queue = ServiceBusSubQueue.DEAD_LETTER if dead_letter else None
-        out: list[ServiceBusReceivedMessage] = []
-        async with self.client.get_queue_receiver(queue, sub_queue=sub_queue) as receiver:
-            while True:
-                page = await receiver.peek_messages(max_message_count=250)
-                if not page:
-                    return out
-                out.extend(page)
-
-    async def drain(self, queue: str, *, dead_letter: bool = False) -> None:
-        assert self.client is not None
-        sub_queue = ServiceBusSubQueue.DEAD_LETTER if dead_letter else None
-        async with self.client.get_queue_receiver(
-            queue, sub_queue=sub_queue, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE
-        ) as receiver:
-            while await receiver.receive_messages(max_message_count=250, max_wait_time=1):
-                pass
+        return await asyncio.to_thread(self.stream(queue).peek, dead_letter=dead_letter)
 
 
 @pytest.fixture
 async def sb(request: pytest.FixtureRequest) -> AsyncIterator[ServiceBusEnv]:
     """The namespace for this test (never skipped: a test broker that does not start is an error)."""
-    if EXTERNAL:
-        env = ServiceBusEnv(EXTERNAL, None)
-    else:
-        handle = request.getfixturevalue("servicebus_broker")
-        env = ServiceBusEnv(handle.connection_string, handle)
-    async with env:
-        yield env
+    # The per-test broker of the servicebus_broker fixture (it fails the test on a broker error),
+    # or (own=False) the namespace SERVICEBUS_CONNECTION_STRING names.
+    handle = None if EXTERNAL else request.getfixturevalue("servicebus_broker")
+    with ServiceBusKit(own=False, handle=handle) as kit:
+        async with ServiceBusEnv(kit) as env:
+            yield env
 
 
 @pytest.fixture
 def sb_conn(sb: ServiceBusEnv, monkeypatch: pytest.MonkeyPatch) -> str:
     """An ``azure_service_bus`` Airflow connection (upstream shape: connection string in schema)."""
-    conn_id = "servicebus_it"
-    monkeypatch.setenv(
-        f"AIRFLOW_CONN_{conn_id.upper()}",
-        json.dumps({"conn_type": "azure_service_bus", "schema": sb.connection_string}),
-    )
-    return conn_id
+    return set_connection(monkeypatch, "servicebus_it", servicebus_connection(sb.connection_string))
 
 
 @pytest.fixture
@@ -221,38 +160,43 @@ def producers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[ServiceBusShared
     yield record_producers(monkeypatch, ServiceBusSharedStreamProducer)
 
 
-class ServiceBusAdapter:
-    """BrokerAdapter for the contract suite: a fresh queue per test, its $DeadLetterQueue as the DLQ."""
+class ServiceBusAdapter(KitAdapter[ServiceBusOrders, ServiceBusSharedStreamTrigger]):
+    """
+    BrokerAdapter for the contract suite over a kit stream: a fresh queue per test, its
+    $DeadLetterQueue as the DLQ. ``sb``: the test's namespace (its async client), where there is one.
+    """
 
     broker = "servicebus"
+    trigger_class = ServiceBusSharedStreamTrigger
+    quick: ClassVar[dict[str, Any]] = {"max_wait_time": 0.5}
 
-    def __init__(self, sb: ServiceBusEnv, conn_id: str, queue: str) -> None:
+    def __init__(self, kit: ServiceBusOrders, conn_id: str, sb: ServiceBusEnv | None = None) -> None:
+        super().__init__(kit, conn_id)
         self.sb = sb
-        self.conn_id = conn_id
-        self.queue = queue
+        self.queue = kit.queue
 
-    def make_trigger(self, **kwargs: Any) -> ServiceBusSharedStreamTrigger:
-        options: dict[str, Any] = {
-            "queue_name": self.queue,
-            "azure_service_bus_conn_id": self.conn_id,
-            "max_wait_time": 0.5,
-        }
-        options.update(kwargs)
-        return ServiceBusSharedStreamTrigger(**options)
+    @classmethod
+    def on(cls, sb: ServiceBusEnv, conn_id: str, queue: str) -> ServiceBusAdapter:
+        """The adapter of ``queue`` in the test's namespace."""
+        return cls(sb.stream(queue), conn_id, sb)
+
+    def trigger_options(self) -> dict[str, Any]:
+        return {"azure_service_bus_conn_id": self.conn_id}
 
     async def publish(
         self, bodies: Sequence[bytes], *, attributes: Mapping[str, Any] | None = None, **message_kwargs: Any
     ) -> None:
         """``attributes``: application properties (any AMQP type); ``message_kwargs``: ServiceBusMessage's own."""
-        await self.sb.publish(self.queue, bodies, attributes=attributes, **message_kwargs)
+        await self.in_thread(self.kit.send, bodies, attributes=attributes, **message_kwargs)
 
-    async def unsettled(self) -> int:
-        return await self.sb.unsettled(self.queue)
+    async def dead_letters(self) -> list[DeadLetter]:
+        """Every message of the queue's dead-letter sub-queue."""
+        return await self.in_thread(self.kit.dead_letter_records)
 
     async def dead_lettered(self) -> list[bytes]:
-        return [d.body for d in await self.sb.dead_letters(self.queue)]
+        return [d.body for d in await self.dead_letters()]
 
 
 @pytest.fixture
 async def adapter(sb: ServiceBusEnv, sb_conn: str) -> ServiceBusAdapter:
-    return ServiceBusAdapter(sb, sb_conn, await sb.create_queue("contract"))
+    return ServiceBusAdapter.on(sb, sb_conn, await sb.create_queue("contract"))

@@ -101,7 +101,7 @@ class ServiceBusFuzzTarget(fuzz.FuzzTargetBase[ServiceBusAdapter]):
     async def publish_one(self, message: FuzzMessage) -> None:
         # One sender for the whole test (opening one costs about a second), closed by close().
         if self._sender is None:
-            client = self.adapter.sb.client
+            client = self.adapter.sb.client if self.adapter.sb is not None else None
             assert client is not None
             self._sender = client.get_queue_sender(self.adapter.queue)
             await self._sender.__aenter__()
@@ -119,7 +119,7 @@ class ServiceBusFuzzTarget(fuzz.FuzzTargetBase[ServiceBusAdapter]):
     async def dead_letters(self) -> list[DeadRecord]:
         return [
             DeadRecord(index, dead.body, dead.description, {"reason": dead.reason})
-            for index, dead in enumerate(await self.adapter.sb.dead_letters(self.adapter.queue))
+            for index, dead in enumerate(await self.adapter.dead_letters())
         ]
 
     def expected_attributes(self, message: FuzzMessage) -> dict[str, str]:
@@ -133,8 +133,8 @@ class ServiceBusFuzzTarget(fuzz.FuzzTargetBase[ServiceBusAdapter]):
 async def fuzz_targets(sb: ServiceBusEnv, sb_conn: str) -> AsyncIterator[list[ServiceBusFuzzTarget]]:
     """A queue and one in batch mode (also test_hostile.py's); their senders closed after the test."""
     targets = [
-        ServiceBusFuzzTarget(ServiceBusAdapter(sb, sb_conn, await sb.create_queue("fuzz")), "single"),
-        ServiceBusFuzzTarget(ServiceBusAdapter(sb, sb_conn, await sb.create_queue("fuzz")), "batch", batch_size=4),
+        ServiceBusFuzzTarget(ServiceBusAdapter.on(sb, sb_conn, await sb.create_queue("fuzz")), "single"),
+        ServiceBusFuzzTarget(ServiceBusAdapter.on(sb, sb_conn, await sb.create_queue("fuzz")), "batch", batch_size=4),
     ]
     try:
         yield targets

@@ -19,9 +19,9 @@ from typing import Final
 
 import pytest
 
+from devkit.kits.servicebus import body_of
 from tests.integration.fuzz import DeadRecord
 from tests.integration.hostile import HostileCase, forged_attributes, neutral_cases, run_corpus_on
-from tests.integration.servicebus.conftest import body_of
 from tests.integration.servicebus.test_fuzz import REJECTED_REASON, ServiceBusFuzzTarget, fuzz_targets, make
 
 pytestmark = [pytest.mark.integration, pytest.mark.servicebus]
@@ -36,7 +36,7 @@ class ServiceBusHostileTarget(ServiceBusFuzzTarget):
     """The fuzz target, reading dead letters through the SDK (where a forged property would show)."""
 
     async def dead_letters(self) -> list[DeadRecord]:
-        peeked = await self.adapter.sb._peek(self.adapter.queue, dead_letter=True)
+        peeked = await self.adapter.in_thread(self.adapter.kit.peek, dead_letter=True)
         return [
             DeadRecord(
                 message.sequence_number,
