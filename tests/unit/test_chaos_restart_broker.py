@@ -16,18 +16,18 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-import redis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench.production import ACTIONS, chaos_schedule, orders_for_tick, parse_args, restart_brokers
-from devkit.demo_streams import KafkaDemoStream, SqsDemoStream
+from devkit.demo_streams import DemoStream, KafkaDemoStream, SqsDemoStream
 from devkit.demo_types import GROUP_ID
 from devkit.redis_broker import start_redis
 from devkit.redis_demo import REDIS_STREAM, RedisDemoStream
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+requires_redis = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 
 GROUP = "chaos-test"
 
@@ -53,6 +53,45 @@ def sqs_stream() -> Iterator[SqsDemoStream]:
         stream.stop()
 
 
+def restart_while_publishing(
+    streams: dict[str, DemoStream[Any]],
+    publisher: DemoStream[Any],
+    *,
+    first_seq: int,
+    down_seconds: float,
+    rng: random.Random,
+    settle: float = 0.3,
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """
+    ``restart_brokers(streams, down_seconds)`` while ``publisher`` keeps sending two orders every
+    50 ms from ``first_seq`` on (as bench/production.py's publisher does, one call a tick), from
+    ``settle`` seconds before the restart to ``settle`` after it: ``(its answer, the publish errors)``.
+    """
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def publish() -> None:
+        seq = first_seq
+        while not stop.is_set():
+            try:
+                publisher.publish(orders_for_tick(publisher.broker, seq, 2, time.time(), rng))
+            except Exception as exc:  # any publish error fails the calling test
+                errors.append(repr(exc))
+            seq += 2
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    try:
+        time.sleep(settle)
+        done = restart_brokers(streams, down_seconds=down_seconds)
+        time.sleep(settle)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    return done, errors
+
+
 def test_the_schedules_include_restart_broker() -> None:
     assert "restart-broker" in ACTIONS
     assert "restart-broker" in parse_args([]).actions.split(",")
@@ -63,6 +102,7 @@ def test_the_schedules_include_restart_broker() -> None:
     assert "restart-broker" in {action for _, action in loop}
 
 
+@requires_redis
 def test_redis_restarts_with_its_data_and_a_memory_broker_is_skipped(
     redis_stream: RedisDemoStream, sqs_stream: SqsDemoStream
 ) -> None:
@@ -74,29 +114,9 @@ def test_redis_restarts_with_its_data_and_a_memory_broker_is_skipped(
     client.execute_command("XREADGROUP", "GROUP", GROUP, "c1", "COUNT", "2", "STREAMS", REDIS_STREAM, ">")
     address = f"{redis_stream.orders.server.host}:{redis_stream.orders.server.port}"
 
-    # A publisher keeps sending through the restart (as bench/production.py's does, one call a tick).
-    errors: list[str] = []
-    stop = threading.Event()
-    sent = [10]
-
-    def publish() -> None:
-        while not stop.is_set():
-            try:
-                redis_stream.publish(orders_for_tick("redis", sent[0], 2, time.time(), rng))
-            except redis.RedisError as exc:
-                errors.append(repr(exc))
-            sent[0] += 2
-            time.sleep(0.05)
-
-    publisher = threading.Thread(target=publish)
-    publisher.start()
-    try:
-        time.sleep(0.3)
-        done = restart_brokers({"redis": redis_stream, "sqs": sqs_stream}, down_seconds=6.0)
-        time.sleep(0.3)
-    finally:
-        stop.set()
-        publisher.join(timeout=30)
+    done, errors = restart_while_publishing(
+        {"redis": redis_stream, "sqs": sqs_stream}, redis_stream, first_seq=10, down_seconds=6.0, rng=rng
+    )
 
     assert done["redis"]["restarted"] == address
     assert done["redis"]["down_s"] >= 6.0
@@ -109,6 +129,7 @@ def test_redis_restarts_with_its_data_and_a_memory_broker_is_skipped(
     assert sqs_stream.settlement().total == 0
 
 
+@requires_redis
 def test_an_external_redis_is_skipped_and_left_running(monkeypatch: pytest.MonkeyPatch) -> None:
     with start_redis(own=True) as server:
         monkeypatch.setenv("REDIS_URL", server.url)
@@ -165,28 +186,9 @@ def test_kafka_on_s3_restarts_with_its_records_and_committed_offsets(kafka_strea
     committed = orders.committed()
     assert committed and set(committed.values()) == {1}
 
-    errors: list[str] = []
-    stop = threading.Event()
-    sent = [12]
-
-    def publish() -> None:
-        while not stop.is_set():
-            try:
-                kafka_stream.publish(orders_for_tick("kafka", sent[0], 2, time.time(), rng))
-            except Exception as exc:  # any publish error fails the test below
-                errors.append(repr(exc))
-            sent[0] += 2
-            time.sleep(0.05)
-
-    publisher = threading.Thread(target=publish)
-    publisher.start()
-    try:
-        time.sleep(0.5)
-        done = restart_brokers({"kafka": kafka_stream}, down_seconds=3.0)
-        time.sleep(0.5)
-    finally:
-        stop.set()
-        publisher.join(timeout=60)
+    done, errors = restart_while_publishing(
+        {"kafka": kafka_stream}, kafka_stream, first_seq=12, down_seconds=3.0, rng=rng, settle=0.5
+    )
 
     assert done["kafka"]["restarted"] == orders.bootstrap
     assert done["kafka"]["down_s"] >= 3.0
