@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import pytest
@@ -12,13 +11,6 @@ from airflow_shared_stream_provider import SharedStreamConfigError
 from airflow_shared_stream_provider.triggers.redis import RedisSharedStreamTrigger, RedisStreamSettings
 
 BASE: dict[str, Any] = {"stream": "orders", "redis_conn_id": "redis_prod"}
-
-
-class EuOnlyTrigger(RedisSharedStreamTrigger):
-    """A user subclass that only filters: it must share the stream with its siblings."""
-
-    def accept(self, envelope: Any) -> bool:
-        return bool(envelope["body"].get("region") == "eu")
 
 
 def test_the_key_covers_every_field_the_producer_reads() -> None:
@@ -33,48 +25,6 @@ def test_the_key_covers_every_field_the_producer_reads() -> None:
     fields = {f.name for f in dataclasses.fields(RedisStreamSettings)}
     assert read, "the producer reads no settings?"
     assert read <= fields, f"read by the producer but not in the key: {sorted(read - fields)}"
-
-
-def test_filters_and_filter_only_subclasses_share_the_stream() -> None:
-    plain = RedisSharedStreamTrigger(**BASE).shared_stream_key()
-    assert RedisSharedStreamTrigger(**BASE, match={"body.region": "eu"}).shared_stream_key() == plain
-    assert RedisSharedStreamTrigger(**BASE, filter_function="pkg.mod.f").shared_stream_key() == plain
-    assert RedisSharedStreamTrigger(**BASE, on_filter_error="skip").shared_stream_key() == plain
-    assert EuOnlyTrigger(**BASE).shared_stream_key() == plain
-    hash(plain)
-
-
-def test_serialize_round_trips_under_the_real_class_path() -> None:
-    trigger = EuOnlyTrigger(**BASE, dead_letter_stream="orders:dlq", match={"attributes.type": ["a", "b"]})
-    classpath, kwargs = trigger.serialize()
-    assert classpath == f"{__name__}.EuOnlyTrigger"
-    json.dumps(kwargs)  # kwargs live in the metadata DB
-    again = EuOnlyTrigger(**kwargs)
-    assert again.serialize() == (classpath, kwargs)
-    assert again.shared_stream_key() == trigger.shared_stream_key()
-    plain_path, _ = RedisSharedStreamTrigger(**BASE).serialize()
-    assert plain_path == "airflow_shared_stream_provider.triggers.redis.RedisSharedStreamTrigger"
-
-
-def test_serialize_holds_the_connection_id_never_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(
-        "AIRFLOW_CONN_REDIS_PROD",
-        json.dumps(
-            {
-                "conn_type": "redis",
-                "host": "redis.internal",
-                "login": "svc-airflow",
-                "password": "very-secret-password",
-                "extra": {"db": 3, "ssl": True, "ssl_keyfile": "/secret/key.pem"},
-            }
-        ),
-    )
-    trigger = RedisSharedStreamTrigger(**BASE)
-    _, kwargs = trigger.serialize()
-    text = json.dumps(kwargs) + repr(trigger.shared_stream_key())
-    assert kwargs["redis_conn_id"] == "redis_prod"
-    for secret in ("very-secret-password", "svc-airflow", "redis.internal", "/secret/key.pem"):
-        assert secret not in text
 
 
 @pytest.mark.parametrize(

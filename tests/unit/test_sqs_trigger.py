@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -16,54 +15,6 @@ from airflow_shared_stream_provider.triggers.sqs import (
 
 QUEUE = "https://sqs.eu-west-1.amazonaws.com/123456789012/orders"
 BASE: dict[str, Any] = {"queue_url": QUEUE, "aws_conn_id": "aws_prod"}
-
-
-class EuOnlyTrigger(SqsSharedStreamTrigger):
-    """A user subclass that only filters: it must share the stream with its siblings."""
-
-    def accept(self, envelope: Any) -> bool:
-        return bool(envelope["body"].get("region") == "eu")
-
-
-def test_filters_and_filter_only_subclasses_share_the_stream() -> None:
-    plain = SqsSharedStreamTrigger(**BASE).shared_stream_key()
-    assert SqsSharedStreamTrigger(**BASE, match={"body.region": "eu"}).shared_stream_key() == plain
-    assert SqsSharedStreamTrigger(**BASE, filter_function="pkg.mod.f").shared_stream_key() == plain
-    assert SqsSharedStreamTrigger(**BASE, on_filter_error="skip").shared_stream_key() == plain
-    assert EuOnlyTrigger(**BASE).shared_stream_key() == plain
-    hash(plain)
-
-
-def test_serialize_round_trips_under_the_real_class_path() -> None:
-    trigger = EuOnlyTrigger(**BASE, dlq_queue_url=QUEUE + "-dlq", match={"attributes.type": ["a", "b"]})
-    classpath, kwargs = trigger.serialize()
-    assert classpath == f"{__name__}.EuOnlyTrigger"
-    json.dumps(kwargs)  # kwargs live in the metadata DB
-    again = EuOnlyTrigger(**kwargs)
-    assert again.serialize() == (classpath, kwargs)
-    assert again.shared_stream_key() == trigger.shared_stream_key()
-    plain_path, _ = SqsSharedStreamTrigger(**BASE).serialize()
-    assert plain_path == "airflow_shared_stream_provider.triggers.sqs.SqsSharedStreamTrigger"
-
-
-def test_serialize_holds_the_connection_id_never_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(
-        "AIRFLOW_CONN_AWS_PROD",
-        json.dumps(
-            {
-                "conn_type": "aws",
-                "login": "AKIAEXAMPLEKEYID0000",
-                "password": "very-secret-access-key",
-                "extra": {"aws_session_token": "session-token-secret", "role_arn": "arn:aws:iam::1:role/r"},
-            }
-        ),
-    )
-    trigger = SqsSharedStreamTrigger(**BASE)
-    _, kwargs = trigger.serialize()
-    text = json.dumps(kwargs) + repr(trigger.shared_stream_key())
-    assert kwargs["aws_conn_id"] == "aws_prod"
-    for secret in ("AKIAEXAMPLEKEYID0000", "very-secret-access-key", "session-token-secret"):
-        assert secret not in text
 
 
 def test_the_message_queue_trigger_scheme_builds_the_sqs_trigger() -> None:
