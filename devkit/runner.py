@@ -31,6 +31,8 @@ from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from airflow.triggers.shared_stream import SharedStreamManager
 
 ProducerT = TypeVar("ProducerT")
+# How long RunnerSim.remove waits for a cancelled trigger task before it reports where it hangs.
+REMOVE_TIMEOUT = 60.0
 
 
 class FakeClock:
@@ -119,6 +121,18 @@ class RunnerSim:
         task = self._tasks.pop(trigger_id, None)
         if task is not None and not task.done():
             task.cancel()
+            # Bounded: a task that swallows its cancellation (a client library that catches it in a
+            # blocking read, say) would hang the test until pytest-timeout, hiding where it stuck.
+            done, _ = await asyncio.wait({task}, timeout=REMOVE_TIMEOUT)
+            if not done:
+                stack = "".join(
+                    f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}\n"
+                    for frame in task.get_stack()
+                )
+                raise RuntimeError(
+                    f"trigger {trigger_id}'s task did not end within {REMOVE_TIMEOUT:.0f} s of its "
+                    f"cancellation (a cancellation swallowed below it?); it waits in:\n{stack}"
+                )
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 

@@ -68,20 +68,24 @@ async def test_acknowledged_only_after_every_watcher_persisted(adapter: RedisAda
 
 
 async def test_the_lease_is_kept_while_a_watcher_works(adapter: RedisAdapter) -> None:
+    # claim_idle 4 s: the keeper renews a third of it before it lapses (idle ~2.7 s), so a stall
+    # of the event loop up to ~1.3 s cannot let it lapse. With 2 s (0.67 s of slack) a loaded
+    # 2-core CI machine stalled the loop long enough twice (the CI rehearsal of e1381d7).
+    claim_idle_ms = 4000
     await adapter.publish(orders(1))
     async with RunnerSim(SharedStreamManager(ack_timeout=60)) as runner:
-        runner.add(1, adapter.make_trigger(claim_idle=2))
+        runner.add(1, adapter.make_trigger(claim_idle=claim_idle_ms / 1000))
         await wait_until(lambda: len(runner.pending) == 1, timeout=20, what="the event")
-        # Three claim_idle periods later no other consumer could claim it: its idle time was reset.
+        # Two and a half claim_idle periods later no other consumer could claim it: its idle time was reset.
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 6.0
+        deadline = loop.time() + 2.5 * claim_idle_ms / 1000
         while loop.time() < deadline:
             stolen = await adapter.client.execute_command(
-                "XAUTOCLAIM", adapter.stream, adapter.group, "intruder", 2000, "0-0", "JUSTID"
+                "XAUTOCLAIM", adapter.stream, adapter.group, "intruder", claim_idle_ms, "0-0", "JUSTID"
             )
             assert not stolen[1], "another consumer could claim the entry while a watcher worked on it"
             [(_, _, idle, delivered)] = await adapter.pending()
-            assert idle < 2000 and delivered == 1
+            assert idle < claim_idle_ms and delivered == 1
             await asyncio.sleep(0.5)
         assert len(runner.pending) == 1  # delivered once, not again
         runner.persist()
