@@ -51,7 +51,7 @@ class Harness:
     fuzz: str | None = None  # hostile-corpus fuzz target (tests/integration/fuzz.py)
     faults: str | None = None  # broker fault tests (tests/integration/faults_harness.py)
     kill_loop: str | None = None  # LoopBroker (tests/e2e/loop_brokers.py, the kill-loop Dag)
-    bench: str | None = None  # BenchBroker (bench/triggerer_bench.py)
+    bench: str | None = None  # BenchBroker (bench/triggerer_bench.py; bench/stream_bench.py runs over it too)
     demo: str | None = None  # DemoStream (devkit/demo_streams.py, ``devkit.demo --broker``)
 
 

@@ -28,6 +28,7 @@ os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 # real-triggerer benchmark, bench/triggerer_bench.py, runs on the default cohort_settle).
 os.environ.setdefault("AIRFLOW__SHARED_STREAM_PROVIDER__COHORT_SETTLE", "0")
 
+import argparse
 import asyncio
 import dataclasses
 import gc
@@ -36,9 +37,10 @@ import json
 import platform
 import resource
 import statistics
+import subprocess
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -446,3 +448,41 @@ def as_json(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [as_json(v) for v in value]
     return value
+
+
+# -- the drivers' command lines and provenance ---------------------------------------------------
+def comma_ints(text: str) -> list[int]:
+    """``"1,10,100"`` -> ``[1, 10, 100]`` (an argparse ``type``)."""
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def comma_words(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse ``type``: a comma-separated, non-empty list of words from ``allowed``."""
+
+    def parse(text: str) -> list[str]:
+        words = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [w for w in words if w not in allowed]
+        if unknown or not words:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)} (got {text!r})")
+        return words
+
+    return parse
+
+
+def source_state(*paths: str) -> dict[str, Any]:
+    """The commit measured, and which files below ``paths`` differ from it (others edit them)."""
+
+    def git(*argv: str) -> str:
+        try:
+            # rstrip only: porcelain lines start with a status column that may be a space.
+            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False).stdout.rstrip()
+        except OSError:
+            return ""
+
+    dirty = git("status", "--porcelain", "--", *paths)
+    return {"commit": git("rev-parse", "HEAD"), "modified": [line[3:] for line in dirty.splitlines()]}
+
+
+def exit_on_signal(signum: int, frame: Any) -> None:
+    """A SIGTERM / SIGINT handler: exit through ``SystemExit``, so ``finally`` blocks stop the brokers."""
+    raise SystemExit(128 + signum)

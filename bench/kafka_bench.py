@@ -72,8 +72,11 @@ from bench.common import (
     StampingManager,
     Window,
     as_json,
+    comma_ints,
+    comma_words,
     cpu_seconds,
     current_rss_mb,
+    exit_on_signal,
     fmt_num,
     fmt_rate,
     machine_info,
@@ -81,6 +84,7 @@ from bench.common import (
     order_body,
     peak_rss_mb,
     prebuild,
+    source_state,
 )
 
 IMPLS = ("ours", "upstream", "ceiling")
@@ -515,7 +519,7 @@ def case_main(args: argparse.Namespace) -> int:
         topic=args.topic,
         bootstrap=args.bootstrap,
         timeout=args.timeout,
-        ends=tuple(_ints(args.ends)) if args.ends else (),
+        ends=tuple(comma_ints(args.ends)) if args.ends else (),
         session_timeout_ms=args.session_timeout_ms,
         ceiling_gated=args.ceiling_flow == "gated",
         ceiling_pool=args.ceiling_pool,
@@ -957,35 +961,17 @@ def render_main(path: Path) -> int:
     return 0
 
 
-def source_state() -> dict[str, Any]:
-    """The commit measured, and which files of the provider differ from it (others edit them)."""
-
-    def git(*argv: str) -> str:
-        try:
-            # rstrip only: porcelain lines start with a status column that may be a space.
-            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False).stdout.rstrip()
-        except OSError:
-            return ""
-
-    dirty = git("status", "--porcelain", "--", "airflow_shared_stream_provider", "devkit")
-    return {"commit": git("rev-parse", "HEAD"), "modified": [line[3:] for line in dirty.splitlines()]}
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
 def driver_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
     # SIGTERM (and SIGINT, which a background job ignores) end the run through ``finally``: the
     # running case is killed and the broker stopped.
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, exit_on_signal)
     if args.render:
         return render_main(Path(args.render))
     run_started = time.perf_counter()
     started_at = datetime.now().isoformat(timespec="seconds")
-    source = source_state()
+    source = source_state("airflow_shared_stream_provider", "devkit")
     if args.quick:
         messages = args.messages or 3000
         ns = args.ns or [1, 10]
@@ -1124,29 +1110,14 @@ def driver_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
-
-
-def _words(allowed: Sequence[str]) -> Any:
-    def parse(text: str) -> list[str]:
-        words = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [w for w in words if w not in allowed]
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(allowed)}")
-        return words
-
-    return parse
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: 3000 messages, N = 1, 10")
     parser.add_argument("--messages", type=int, default=None, help="messages per topic (default 20000)")
-    parser.add_argument("--ns", type=_ints, default=None, help="watcher counts, e.g. 1,10,100")
-    parser.add_argument("--impls", type=_words(IMPLS), default=None, help="ours,upstream,ceiling")
-    parser.add_argument("--modes", type=_words(MODES), default=None, help="all,split")
-    parser.add_argument("--hops", type=_ints, default=None, help="0,1 (without / with the executor hop)")
+    parser.add_argument("--ns", type=comma_ints, default=None, help="watcher counts, e.g. 1,10,100")
+    parser.add_argument("--impls", type=comma_words(IMPLS), default=None, help="ours,upstream,ceiling")
+    parser.add_argument("--modes", type=comma_words(MODES), default=None, help="all,split")
+    parser.add_argument("--hops", type=comma_ints, default=None, help="0,1 (without / with the executor hop)")
     parser.add_argument("--repeat", type=int, default=1, help="run the whole matrix this many times (median)")
     parser.add_argument("--timeout", type=float, default=30.0, help="cap of one measured run, seconds (default 30)")
     parser.add_argument(

@@ -223,65 +223,55 @@ def check(result: dict[str, Any], expected: set[str], left: int, args: argparse.
 
 
 # -- Pub/Sub -------------------------------------------------------------------------------------
-async def pubsub_backlog(count: int) -> tuple[Any, set[str]]:
-    from bench.pubsub_bench import Stream
-
-    stream = await Stream().create()
+def pubsub_backlog(kit: Any, count: int) -> tuple[Any, set[str]]:
+    """A new topic and subscription (with the kit's probe, for what is left) and ``count`` messages, one per request."""
+    stream = kit.stream(f"mem-{uuid.uuid4().hex[:8]}", ack_deadline=60)
     ids: set[str] = set()
     for i in range(count):
-        ids.update(await stream.publish([body(i, PUBSUB_BODY)]))
+        ids.update(stream.publish_bytes([body(i, PUBSUB_BODY)]))
     return stream, ids
 
 
 async def pubsub_rows(args: argparse.Namespace, budgets: list[int]) -> list[dict[str, Any]]:
-    from bench.pubsub_bench import Emulator
+    from devkit.kits.pubsub import PubSubKit
 
     rows = []
-    with Emulator():
+    # The emulator PUBSUB_EMULATOR_HOST names, else one of the kit's own (it sets the variable,
+    # which the child inherits).
+    with PubSubKit(own=False) as kit:
         for budget in budgets:
             # Publishing returns the server's ids; the envelope's message_id is the same id.
-            stream, expected = await pubsub_backlog(args.messages)
+            stream, expected = pubsub_backlog(kit, args.messages)
             try:
                 result = run_child("pubsub", stream.subscription, budget, args)
-                left = len(await stream.unacked_ids())
+                left = len(stream.unacked_ids())
                 rows.append(row("pubsub", PUBSUB_BODY, budget, result, check(result, expected, left, args), args))
             finally:
-                await stream.close()
+                stream.delete()
+                stream.close()
     return rows
 
 
 # -- Service Bus ---------------------------------------------------------------------------------
-async def servicebus_publish(connection_string: str, queue: str, count: int) -> None:
-    from azure.servicebus import ServiceBusMessage
-    from azure.servicebus.aio import ServiceBusClient
-
-    async with (
-        ServiceBusClient.from_connection_string(connection_string) as client,
-        client.get_queue_sender(queue) as sender,
-    ):
-        for i in range(count):
-            await sender.send_messages(ServiceBusMessage(body(i, SERVICEBUS_BODY), message_id=f"m-{i}"))
-
-
 async def servicebus_rows(args: argparse.Namespace, budgets: list[int]) -> list[dict[str, Any]]:
-    from bench.servicebus_bench import BrokerProcess
+    from devkit.kits.servicebus import ServiceBusKit
 
-    broker = BrokerProcess()
-    os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(
-        {"conn_type": "azure_service_bus", "schema": broker.connection_string}
-    )
     rows = []
-    try:
+    # The test broker in a child process: its memory and CPU stay out of the parent's.
+    with ServiceBusKit(in_subprocess=True) as kit:
+        os.environ[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = json.dumps(kit.connection())
         for budget in budgets:
-            queue = f"mem-{uuid.uuid4().hex[:6]}"
-            broker.call("create_queue", queue, 120.0)
-            await servicebus_publish(broker.connection_string, queue, args.messages)
-            result = run_child("servicebus", queue, budget, args)
-            expected = {f"m-{i}" for i in range(args.messages)}
-            left = broker.call("counts", queue)
-            rows.append(row("servicebus", SERVICEBUS_BODY, budget, result, check(result, expected, left, args), args))
-    finally:
-        broker.stop()
+            stream = kit.stream(f"mem-{uuid.uuid4().hex[:6]}", lock_duration=120.0)
+            # The key is the message_id: m-<i>, what the watchers' events name.
+            keys = [f"m-{i}".encode() for i in range(args.messages)]
+            stream.publish_bytes((body(i, SERVICEBUS_BODY) for i in range(args.messages)), keys=keys)
+            result = run_child("servicebus", stream.queue, budget, args)
+            expected = {key.decode() for key in keys}
+            rows.append(
+                row(
+                    "servicebus", SERVICEBUS_BODY, budget, result, check(result, expected, stream.backlog(), args), args
+                )
+            )
     return rows
 
 

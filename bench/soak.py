@@ -79,7 +79,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
-from bench.common import RESULTS_DIR, as_json, fmt_num, machine_info, markdown_table
+from bench.common import (
+    RESULTS_DIR,
+    as_json,
+    comma_words,
+    exit_on_signal,
+    fmt_num,
+    machine_info,
+    markdown_table,
+    source_state,
+)
 from bench.triggerer_bench import (
     BROKER_CLASSES,
     BROKERS,
@@ -87,12 +96,9 @@ from bench.triggerer_bench import (
     BenchBroker,
     BenchStream,
     EventLog,
-    _terminate,
     _versions,
-    _words,
     assigned_watchers,
     message_body,
-    source_state,
 )
 from devkit.latency import percentile
 from devkit.postgres import PostgresServer
@@ -617,7 +623,9 @@ def render_tables(report: dict[str, Any]) -> str:
 # ==================================================================================================
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--brokers", type=_words(BROKERS), default=list(BROKERS), help="kafka,sqs,pubsub,servicebus")
+    parser.add_argument(
+        "--brokers", type=comma_words(BROKERS), default=list(BROKERS), help="kafka,sqs,pubsub,servicebus"
+    )
     parser.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--minutes", type=float, default=30.0, help="publish window (default 30)")
     parser.add_argument("--rate", type=float, default=5.0, help="msgs/s per broker (default 5)")
@@ -669,8 +677,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.render:
         print(render_tables(json.loads(args.render.read_text())))
         return 0
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, _terminate)
+    signal.signal(signal.SIGTERM, exit_on_signal)
+    signal.signal(signal.SIGINT, exit_on_signal)
     import logging
 
     for name in ("azure", "aiokafka", "botocore", "google"):
@@ -834,7 +842,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             {
                 "wall_s": round(run_end - run_started, 1),
                 "machine": machine_info(),
-                "source": source_state(),
+                "source": source_state("airflow_shared_stream_provider", "devkit", "bench"),
                 "restarts": restarts,
                 "lives": [
                     {

@@ -81,7 +81,18 @@ from pathlib import Path
 from typing import Any, ClassVar, Final
 
 from airflow_shared_stream_provider.brokers import HarnessTable, broker_spec, harness_names, load, sdk_module_prefixes
-from bench.common import RESULTS_DIR, ROOT, as_json, fmt_num, fmt_rate, machine_info, markdown_table
+from bench.common import (
+    RESULTS_DIR,
+    as_json,
+    comma_ints,
+    comma_words,
+    exit_on_signal,
+    fmt_num,
+    fmt_rate,
+    machine_info,
+    markdown_table,
+    source_state,
+)
 from devkit.airflow_env import AirflowEnv, AirflowEnvError
 from devkit.kits import BrokerKit, KitStream, kit_class
 from devkit.latency import percentile
@@ -144,6 +155,9 @@ class BenchBroker:
     conn_id: ClassVar[str] = ""
     kit_options: ClassVar[dict[str, Any]] = {}
     trigger_options: ClassVar[dict[str, Any]] = {}  # beside the stream's source and the connection
+    # Whether the producer's ``api_calls`` counter counts every broker call it makes
+    # (``bench/stream_bench.py`` reports broker calls from it; docs/metrics.md lists the brokers).
+    counts_api_calls: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.kit: BrokerKit = kit_class(self.name)(**self.kit_options)
@@ -155,11 +169,16 @@ class BenchBroker:
     def stop(self) -> None:
         self.kit.stop()
 
-    def stream_options(self, case_id: str) -> dict[str, Any]:
+    def stream_options(self, case_id: str, *, settle: bool = False) -> dict[str, Any]:
+        """
+        The kit's stream options for one case. ``settle``: the stream's ``unsettled()`` must answer
+        (``bench/stream_bench.py`` waits on it); without, a kit may publish faster or keep one copy.
+        """
         return {}
 
-    def stream(self, case_id: str) -> BenchStream:
-        return BenchStream(self, self.kit.stream(f"bench-{case_id}", **self.stream_options(case_id)), case_id)
+    def stream(self, case_id: str, *, settle: bool = False) -> BenchStream:
+        options = self.stream_options(case_id, settle=settle)
+        return BenchStream(self, self.kit.stream(f"bench-{case_id}", **options), case_id)
 
     def trigger(self, stream: BenchStream, impl: str) -> tuple[str, dict[str, Any]]:
         spec = broker_spec(self.name)
@@ -207,13 +226,19 @@ class BenchStream:
 
 
 class KafkaBroker(BenchBroker):
-    """Tansu; three partitions per case, published round robin without keys, pipelined, acks from the leader."""
+    """
+    Tansu; three partitions per case, published round robin without keys, acks from the leader,
+    pipelined unless ``settle`` (Tansu's end offsets count a pipelined batch as one record: see
+    ``KafkaOrders.pipeline``).
+    """
 
     name = "kafka"
     conn_id = "bench_kafka"
+    # Offset commits and DLQ sends only: aiokafka fetches in a background task of its own.
+    counts_api_calls = False
 
-    def stream_options(self, case_id: str) -> dict[str, Any]:
-        return {"partitions": 3, "group_id": f"bench-group-{case_id}", "acks": 1, "pipeline": True}
+    def stream_options(self, case_id: str, *, settle: bool = False) -> dict[str, Any]:
+        return {"partitions": 3, "group_id": f"bench-group-{case_id}", "acks": 1, "pipeline": not settle}
 
     def trigger(self, stream: BenchStream, impl: str) -> tuple[str, dict[str, Any]]:
         topics = stream.kit_stream.trigger_kwargs()["topics"]
@@ -249,18 +274,19 @@ class PubSubBroker(BenchBroker):
     conn_id = "bench_gcp"
     kit_options = {"project": "triggerer-bench"}
 
-    def stream_options(self, case_id: str) -> dict[str, Any]:
-        return {"subscription": f"bench-{case_id}", "ack_deadline": 60, "probe": False}
+    def stream_options(self, case_id: str, *, settle: bool = False) -> dict[str, Any]:
+        # The probe subscription (what unacked() reads) keeps a second copy of every message.
+        return {"subscription": f"bench-{case_id}", "ack_deadline": 60, "probe": settle}
 
 
 class ServiceBusBroker(BenchBroker):
-    """The test broker in a child process (``bench.servicebus_bench``): its CPU stays off the driver."""
+    """The test broker in a child process (``devkit.kits.servicebus.ChildBroker``): its CPU stays off the driver."""
 
     name = "servicebus"
     conn_id = "bench_servicebus"
     kit_options = {"in_subprocess": True}
 
-    def stream_options(self, case_id: str) -> dict[str, Any]:
+    def stream_options(self, case_id: str, *, settle: bool = False) -> dict[str, Any]:
         return {"lock_duration": 60.0}
 
 
@@ -971,29 +997,18 @@ def render_tables(runs: Sequence[dict[str, Any]]) -> str:
 # ==================================================================================================
 # Driver
 # ==================================================================================================
-def _words(allowed: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        words = [w.strip() for w in text.split(",") if w.strip()]
-        bad = [w for w in words if w not in allowed]
-        if bad or not words:
-            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)} (got {text!r})")
-        return words
-
-    return parse
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--brokers", type=_words(BROKERS), default=["kafka"], help=",".join(BROKERS))
-    parser.add_argument("--dbs", type=_words(DBS), default=list(DBS), help="sqlite,postgres")
-    parser.add_argument("--impls", type=_words(IMPLS), default=["ours"], help="ours,upstream (upstream: kafka only)")
-    parser.add_argument("--modes", type=_words(MODES), default=["per-message"], help="per-message,batch")
-    parser.add_argument("--ns", type=_ints, default=[1, 10], help="watchers, e.g. 1,10,100")
-    parser.add_argument("--cases", type=_words(CASES), default=list(CASES), help="backlog,steady")
+    parser.add_argument("--brokers", type=comma_words(BROKERS), default=["kafka"], help=",".join(BROKERS))
+    parser.add_argument("--dbs", type=comma_words(DBS), default=list(DBS), help="sqlite,postgres")
+    parser.add_argument(
+        "--impls", type=comma_words(IMPLS), default=["ours"], help="ours,upstream (upstream: kafka only)"
+    )
+    parser.add_argument("--modes", type=comma_words(MODES), default=["per-message"], help="per-message,batch")
+    parser.add_argument("--ns", type=comma_ints, default=[1, 10], help="watchers, e.g. 1,10,100")
+    parser.add_argument("--cases", type=comma_words(CASES), default=list(CASES), help="backlog,steady")
     parser.add_argument("--messages", type=int, default=2000, help="backlog size M (default 2000)")
     parser.add_argument(
         "--batch-messages",
@@ -1045,21 +1060,6 @@ def batch_supported(broker: str) -> bool:
     return "batch_size" in {f.name for f in dataclasses.fields(settings)}
 
 
-def source_state() -> dict[str, Any]:
-    def git(*argv: str) -> str:
-        try:
-            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False).stdout.rstrip()
-        except OSError:
-            return ""
-
-    dirty = git("status", "--porcelain", "--", "airflow_shared_stream_provider", "devkit", "bench")
-    return {"commit": git("rev-parse", "HEAD"), "modified": [line[3:] for line in dirty.splitlines()]}
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
 def _versions() -> dict[str, str]:
     import importlib.metadata
 
@@ -1084,8 +1084,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = json.loads(args.render.read_text())
         print(render_tables(data["runs"]))
         return 0
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, _terminate)
+    signal.signal(signal.SIGTERM, exit_on_signal)
+    signal.signal(signal.SIGINT, exit_on_signal)
     import logging
 
     # The publishers' SDKs log every connection state change at INFO (Airflow's logging config is
@@ -1174,7 +1174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "wall_s": round(time.perf_counter() - run_started, 1),
             "argv": sys.argv[1:] if argv is None else list(argv),
             "machine": machine,
-            "source": source_state(),
+            "source": source_state("airflow_shared_stream_provider", "devkit", "bench"),
             "brokers": brokers_info,
             "skipped": skipped,
             "runs": runs,

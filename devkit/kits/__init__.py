@@ -15,7 +15,8 @@ A kit has two halves:
 
 The harnesses are thin layers over it: ``devkit.demo_streams`` (``DemoStream``: the example Dags'
 side), ``tests/e2e/loop_brokers.py`` (``LoopBroker``: the kill loops) and
-``bench/triggerer_bench.py`` (``BenchBroker`` / ``BenchStream``). A broker's kit class is its
+``bench/triggerer_bench.py`` (``BenchBroker`` / ``BenchStream``, which ``bench/stream_bench.py``
+drives too). A broker's kit class is its
 registry entry's ``harness.kit`` (:func:`kit_class`), so a new broker's kit lives in its own module
 (``devkit/kits/<name>.py``).
 """

@@ -186,6 +186,10 @@ class PubSubOrders(KitStream):
 
     def unacked(self) -> int:
         """Unacknowledged messages of the watched subscription (see the class doc)."""
+        return len(self.unacked_ids())
+
+    def unacked_ids(self) -> set[str]:
+        """The message ids of :meth:`unacked`'s messages."""
         if self.probe is None:
             raise RuntimeError(f"{self.subscription}: built without a probe subscription (probe=False)")
         self._snapshots += 1
@@ -196,7 +200,7 @@ class PubSubOrders(KitStream):
         finally:
             self.subscriber.delete_snapshot(request={"snapshot": snapshot})
         # The probe's messages stay unacked (its deadline is long): the next seek resets it anyway.
-        return len({r.message.message_id for r in self._pull_all(self.probe)})
+        return {r.message.message_id for r in self._pull_all(self.probe)}
 
     def dead_letter_messages(self) -> list[tuple[bytes, dict[str, str]]]:
         """Every message the dead-letter topic received so far, ``(data, attributes)`` (read and acked once)."""

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Any, Final
 
 from devkit.demo_types import OrderMessage
@@ -269,25 +271,82 @@ class ServiceBusOrders(OrdersById):
         return text
 
 
-class _ChildBroker:
-    """The test broker in a child process (``bench.servicebus_bench.BrokerProcess``), as far as a publisher needs it."""
+def _child_broker_main(pipe: Connection) -> None:
+    """
+    The child process of :class:`ChildBroker`: start the test broker, send its connection string,
+    then answer ``(attribute, args, kwargs)`` requests with the handle's attribute (called when
+    callable) until ``stop``. A failure is sent back as the exception, raised in the parent.
+    """
+    from tests.servicebus_broker.broker import start_broker
+
+    handle = start_broker()
+    pipe.send(handle.connection_string)
+    while True:
+        name, args, kwargs = pipe.recv()
+        if name == "stop":
+            handle.stop()
+            pipe.send(None)
+            return
+        try:
+            attribute = getattr(handle, name)
+            result: Any = attribute(*args, **kwargs) if callable(attribute) else attribute
+        except Exception as exc:  # raised in the parent by ChildBroker.call
+            result = exc
+        pipe.send(result)
+
+
+class ChildBroker:
+    """
+    The test broker in a spawned child process, whose CPU stays off the caller's GIL (benchmarks
+    measure the client process alone). Stands in for a ``BrokerHandle`` where a kit stream reads
+    one: each call goes to the handle in the child (arguments and results pickled; one request at
+    a time, the pipe is not shared between threads).
+    """
 
     def __init__(self) -> None:
-        from bench.servicebus_bench import BrokerProcess
+        context = multiprocessing.get_context("spawn")
+        self._pipe, child = context.Pipe()
+        self._process = context.Process(target=_child_broker_main, args=(child,), daemon=True)
+        self._process.start()
+        self.connection_string = str(self._pipe.recv())
+        self._lock = threading.Lock()
 
-        self.child = BrokerProcess()
-        self.connection_string = str(self.child.connection_string)
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """The child handle's ``name`` (a method called with the arguments, or an attribute's value)."""
+        with self._lock:
+            self._pipe.send((name, args, kwargs))
+            result = self._pipe.recv()
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-    def create_queue(
-        self, name: str, *, lock_duration: float, max_delivery_count: int, requires_session: bool = False
-    ) -> None:
-        # The child's create_queue takes the lock duration; its max delivery count is the broker's default.
-        if requires_session:
-            raise NotImplementedError("the child process' broker makes no session-enabled queues")
-        self.child.call("create_queue", name, lock_duration)
+    def create_queue(self, name: str, **options: Any) -> None:
+        self.call("create_queue", name, **options)
+
+    def counts(self, path: str) -> Any:
+        return self.call("counts", path)
+
+    def messages(self, path: str) -> Any:
+        return self.call("messages", path)
+
+    def dead_letters(self, path: str) -> Any:
+        return self.call("dead_letters", path)
+
+    def entity_stats(self, path: str) -> dict[str, int]:
+        return dict(self.call("entity_stats", path))
+
+    def operations(self) -> Any:
+        """The broker's ``OperationStats``: every frame and management request clients sent it."""
+        return self.call("operations")
+
+    @property
+    def errors(self) -> list[Any]:
+        return list(self.call("errors"))
 
     def stop(self) -> None:
-        self.child.stop()
+        with contextlib.suppress(Exception):
+            self.call("stop")
+        self._process.join(10)
 
 
 class ServiceBusKit(BrokerKit):
@@ -314,7 +373,7 @@ class ServiceBusKit(BrokerKit):
 
     def _start_own(self) -> str:
         if self.in_subprocess:
-            self.handle = _ChildBroker()
+            self.handle = ChildBroker()
             return "Service Bus test broker (tests/servicebus_broker, child process)"
         from tests.servicebus_broker.broker import start_broker
 
