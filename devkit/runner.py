@@ -45,6 +45,42 @@ class FakeClock:
         return self.now
 
 
+_AWAITS = ("cr_await", "ag_await", "gi_yieldfrom")  # what a coroutine, async generator, generator awaits
+
+
+def await_chain(task: asyncio.Task[Any]) -> str:
+    """
+    Where a suspended task waits, outermost first: its coroutine and every coroutine, async
+    generator or generator it awaits (``Task.get_stack`` gives only the outermost frame).
+    """
+    lines: list[str] = []
+    last_locals: dict[str, Any] = {}
+    awaited: Any = task.get_coro()
+    while awaited is not None:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
+        frame = frame or getattr(awaited, "gi_frame", None)
+        if frame is None:
+            # An async generator's asend/athrow has no frame: the generator it drives is the
+            # running one among the previous frame's locals (``async for item in source``).
+            running = [value for value in last_locals.values() if getattr(value, "ag_running", False)]
+            if len(running) == 1 and running[0] is not awaited:
+                awaited = running[0]
+                continue
+            lines.append(f"  (awaits {awaited!r:.200})\n")
+            break
+        last_locals = frame.f_locals
+        lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}\n")
+        awaited = next(
+            (
+                getattr(awaited, name)
+                for name in ("cr_await", "ag_await", "gi_yieldfrom")
+                if getattr(awaited, name, None)
+            ),
+            None,
+        )
+    return "".join(lines)
+
+
 def _executor_noop() -> None:
     return None
 
@@ -125,13 +161,15 @@ class RunnerSim:
             # blocking read, say) would hang the test until pytest-timeout, hiding where it stuck.
             done, _ = await asyncio.wait({task}, timeout=REMOVE_TIMEOUT)
             if not done:
-                stack = "".join(
-                    f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}\n"
-                    for frame in task.get_stack()
+                others = "".join(
+                    f"task {other.get_name()}:\n{await_chain(other)}"
+                    for other in asyncio.all_tasks()
+                    if other is not task and other is not asyncio.current_task()
                 )
                 raise RuntimeError(
                     f"trigger {trigger_id}'s task did not end within {REMOVE_TIMEOUT:.0f} s of its "
-                    f"cancellation (a cancellation swallowed below it?); it waits in:\n{stack}"
+                    f"cancellation (a cancellation swallowed below it?); it waits in:\n{await_chain(task)}"
+                    f"the other tasks:\n{others}"
                 )
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -109,7 +109,7 @@ from airflow_shared_stream_provider._core.release import ENTRIES_PER_MESSAGE, De
 from airflow_shared_stream_provider._core.retry import Backoff, ErrorStreak
 from airflow_shared_stream_provider._core.settings import StreamSettings
 from airflow_shared_stream_provider._core.split import SplitWatch, heartbeat_interval
-from airflow_shared_stream_provider._core.tasks import cancel_and_wait
+from airflow_shared_stream_provider._core.tasks import call_keeping_cancellation, cancel_and_wait
 from airflow_shared_stream_provider.brokers import BrokerName
 
 DEFAULT_QUEUE_SIZE = 1024
@@ -379,7 +379,9 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         if not self.concurrent_receives:
             credit = await self.wait_for_credit()
             try:
-                return [await self._receive(min(credit, self.max_receive))]
+                # A cancellation the client loses ends the loop all the same (see _core/tasks.py).
+                receive = self._receive(min(credit, self.max_receive))
+                return [await call_keeping_cancellation(receive, self.source_label())]
             except self.receive_errors as exc:
                 return [exc]
         receives = self._receives

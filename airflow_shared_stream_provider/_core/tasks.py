@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol, TypeVar
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 
 class Closable(Protocol):
@@ -53,6 +54,53 @@ async def wait_for(awaitable: Awaitable[_T], timeout: float | None) -> _T:
     if not task.cancelled() and task.exception() is None:
         return task.result()  # it finished despite the cancel: its result, as asyncio.wait_for
     raise asyncio.TimeoutError
+
+
+async def call_keeping_cancellation(call: Awaitable[_T], where: str) -> _T:
+    """
+    Await a call into a client library such that a cancellation of ours it loses still ends us.
+
+    The manager stops a stream by cancelling its poll task and awaits its end (``unsubscribe``,
+    triggerer shutdown). A library can lose a cancellation that reaches it mid-call: redis-py's
+    asyncio client sends each command through ``asyncio.wait_for``, which before Python 3.12
+    swallows a cancellation arriving in the turn the send completes. The receive loop then read
+    on, cancelled in name only, with nobody listening, holding its connection and leases, and
+    ``unsubscribe`` never returned (``tests/integration/redis``' lease test hung about one run in
+    five on a loaded machine). ``where`` names the stream in the warning this logs then.
+
+    Python 3.11+: the call is awaited in place and ``Task.cancelling()``, which still counts the
+    lost request, is checked after it. 3.10 has no such count: the call runs in a task of its own
+    that we wait for with ``asyncio.wait``, which raises our cancellation whatever the call does
+    with the one passed on to it. Either way, what the call returned is dropped: the stream is
+    ending, and a message it received is redelivered by the broker (its lease lapses).
+    """
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    if cancelling is None:  # Python 3.10
+        inner = asyncio.ensure_future(call)
+        try:
+            await asyncio.wait((inner,))
+        except asyncio.CancelledError:
+            inner.cancel()
+            raise
+        return inner.result()
+    try:
+        result = await call
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        if cancelling():  # the call turned our cancellation into an error of its own
+            _log_lost_cancellation(where)
+            raise asyncio.CancelledError from exc
+        raise
+    if cancelling():
+        _log_lost_cancellation(where)
+        raise asyncio.CancelledError
+    return result
+
+
+def _log_lost_cancellation(where: str) -> None:
+    log.warning("%s: a client call lost the cancellation of this stream; ending it as asked", where)
 
 
 async def cancel_and_wait(*tasks: asyncio.Future[Any] | None) -> None:

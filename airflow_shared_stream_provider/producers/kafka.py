@@ -89,7 +89,7 @@ from airflow_shared_stream_provider._core.errors import (
 )
 from airflow_shared_stream_provider._core.positions import late_join_lookback, position_interval
 from airflow_shared_stream_provider._core.producer import Decided, SharedStreamProducerBase
-from airflow_shared_stream_provider._core.tasks import wait_for
+from airflow_shared_stream_provider._core.tasks import call_keeping_cancellation, wait_for
 from airflow_shared_stream_provider.producers.kafka_config import (
     KafkaClientConfig,
     load_kafka_client_config,
@@ -501,7 +501,10 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 continue
             if not keep_positions:
                 self._enforce_full_assignment()
-            fetched = await consumer.getmany(timeout_ms=poll_ms, max_records=min(credit, self.settings.max_batch_size))
+            fetched = await call_keeping_cancellation(
+                consumer.getmany(timeout_ms=poll_ms, max_records=min(credit, self.settings.max_batch_size)),
+                self.source_label(),
+            )
             if not fetched:
                 self.deferred.release_all()  # quiet stream: hold nothing (see _core/release.py)
             received = 0

@@ -20,7 +20,7 @@ from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_shared_stream_provider import SharedStreamConfigError
 from airflow_shared_stream_provider._core.tasks import wait_for
-from devkit.memory import MemorySharedStreamTrigger, brokers, memory_broker
+from devkit.memory import MemoryMessage, MemorySharedStreamProducer, MemorySharedStreamTrigger, brokers, memory_broker
 from devkit.runner import RunnerSim, wait_until
 
 PACKAGE = Path(__file__).resolve().parents[2] / "airflow_shared_stream_provider"
@@ -86,5 +86,47 @@ async def test_a_stream_whose_only_watcher_fails_at_once_stops() -> None:
         assert task.done(), "the manager did not stop: the stream's poll task lost its cancellation"
         task.result()
         assert isinstance(runner.failures[1], SharedStreamConfigError)
+    finally:
+        brokers.pop(name, None)
+
+
+class LosesCancellationsProducer(MemorySharedStreamProducer):
+    """A receive call that loses a cancellation arriving mid-call, as a client library may."""
+
+    receives_after_cancel = 0
+    in_receive = asyncio.Event()
+
+    async def _receive(self, count: int) -> list[MemoryMessage]:
+        type(self).in_receive.set()
+        try:
+            await asyncio.sleep(0.02)
+        except asyncio.CancelledError:
+            type(self).receives_after_cancel += 1
+        return []
+
+
+class LosesCancellationsTrigger(MemorySharedStreamTrigger):
+    producer_class_path = f"{__name__}.LosesCancellationsProducer"
+
+
+async def test_a_cancellation_a_client_library_loses_still_ends_the_stream() -> None:
+    # The manager stops a group by cancelling its poll task and awaiting it: the receive loop ends
+    # after the receive that lost it (redis-py's send through asyncio.wait_for did: the stream then
+    # read on with no watcher and unsubscribe never returned; _core/tasks.call_keeping_cancellation).
+    # Before the fix this test hung until pytest-timeout.
+    name = "cancel-lost"
+    memory_broker(name)
+    manager = SharedStreamManager()
+    runner = RunnerSim(manager)
+    try:
+        async with runner:
+            runner.add(1, LosesCancellationsTrigger(broker_name=name))
+            await asyncio.wait_for(LosesCancellationsProducer.in_receive.wait(), 10)
+            task = asyncio.ensure_future(runner.remove(1))
+            await asyncio.wait((task,), timeout=10)
+            assert task.done(), "the stream did not end: its poll task lost its cancellation"
+            task.result()
+        assert LosesCancellationsProducer.receives_after_cancel == 1
+        assert not manager._groups  # the group is gone, not polling on
     finally:
         brokers.pop(name, None)
