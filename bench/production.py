@@ -226,9 +226,11 @@ class Chaos(threading.Thread):
         schedule: Sequence[tuple[float, str]],
         pause_seconds: float,
         say: Callable[[str], None],
+        publishers: Mapping[str, Publisher],
     ) -> None:
         super().__init__(name="chaos", daemon=True)
         self.topology, self.schedule, self.pause_seconds, self.say = topology, schedule, pause_seconds, say
+        self.publishers = publishers
         self.log = ChaosLog()
         self.errors: list[str] = []
         self.stop_event = threading.Event()
@@ -312,13 +314,26 @@ class Chaos(threading.Thread):
         for broker, entry in done.items():
             if "skipped" not in entry:
                 watcher = self.topology.streams[broker].watcher_name("kafka_orders_valid")
-                entry["new_order_event_after_s"] = self._new_order_event_after(watcher, entry.pop("up_at"))
+                up_at = entry.pop("up_at")
+                after = self._new_order_event_after(watcher, up_at, self.publishers[broker])
+                entry["new_order_event_after_s"] = after
+                if after is None and not self._sent_since(self.publishers[broker], up_at):
+                    entry["reconnect_unchecked"] = "publishing ended before the broker was up: no order to wait for"
         self.log.add("restart-broker", started, brokers=done)
 
-    def _new_order_event_after(self, watcher: str, since: float) -> float | None:
+    @staticmethod
+    def _sent_since(publisher: Publisher, since: float) -> bool:
+        return bool(publisher.sent) and publisher.sent[-1].sent_at >= since
+
+    def _new_order_event_after(self, watcher: str, since: float, publisher: Publisher) -> float | None:
         deadline = time.monotonic() + RECONNECT_TIMEOUT
         last_id = 0
         while not self.stop_event.is_set():
+            # An action before this one may have run past the publish window (a long Spark job):
+            # with publishing over and no order sent after the restart, none can come, and waiting
+            # out the timeout would only push the remaining actions into the drain. Read before
+            # the scan, so an order sent in the last moment is still waited for.
+            nothing_to_wait_for = not publisher.is_alive() and not self._sent_since(publisher, since)
             for event in self.topology.env.asset_events(watcher, after_id=last_id):
                 last_id = max(last_id, event["id"])
                 stored = to_epoch(event["timestamp"])
@@ -327,7 +342,7 @@ class Chaos(threading.Thread):
                     sent_at = body.get("sent_at") if isinstance(body, dict) else None
                     if isinstance(sent_at, (int, float)) and sent_at >= since and stored is not None:
                         return round(stored - since, 1)
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or nothing_to_wait_for:
                 return None
             time.sleep(0.5)
         return None
@@ -844,7 +859,7 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
                 publishers[broker] = Publisher(broker, topology.streams[broker], args.rate, seconds, args.seed + index)
                 publishers[broker].start()
             schedule = chaos_schedule(args.chaos, seconds, args.chaos_every, actions)
-            chaos = Chaos(topology, schedule, args.pause_seconds, say)
+            chaos = Chaos(topology, schedule, args.pause_seconds, say, publishers)
             chaos.start()
             while any(p.is_alive() for p in publishers.values()):
                 time.sleep(min(30.0, max(1.0, seconds / 10)))
