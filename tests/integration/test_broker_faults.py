@@ -64,7 +64,7 @@ from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
 from airflow_shared_stream_provider.producers import sqs as sqs_producer
 from airflow_shared_stream_provider.producers.kafka_config import DEFAULT_RETRY_BACKOFF_MS, kafka_client_config
 from devkit.brokers import BrokerProcess, start_kafka, start_moto, stop_moto
-from devkit.kits.kafka import s3_storage
+from devkit.kits.kafka import read_partitions, s3_storage
 from devkit.kits.sqs import sqs_connection as kit_sqs_connection
 from devkit.ports import free_port
 from tests.faultproxy import FaultProxy
@@ -168,26 +168,23 @@ class KafkaTarget(harness.FaultTargetBase):
 
     async def _records_from(self, offsets: dict[int, int]) -> list[tuple[int, int]]:
         """
-        ``(partition, offset)`` of every record from ``offsets`` (default: the beginning) on. Read
-        until the end offsets and then until a fetch stays empty for 1 s: Tansu on S3 storage
+        ``(partition, offset)`` of every record from ``offsets`` (default: the beginning) on, read
+        past the listed end offsets (the kit's :func:`read_partitions`): Tansu on S3 storage
         answers ``ListOffsets`` from a watermark that lags behind its records after a restart.
         """
         topic = self.adapter.topic
         consumer = AIOKafkaConsumer(bootstrap_servers=self.adapter.bootstrap, enable_auto_commit=False)
         await consumer.start()
         try:
-            tps = [TopicPartition(topic, p) for p in range(self.adapter.partitions)]
-            consumer.assign(tps)
-            for tp in tps:
-                consumer.seek(tp, offsets.get(tp.partition, 0))
-            ends = await consumer.end_offsets(tps)
             found: list[tuple[int, int]] = []
-            while True:
-                batch = await consumer.getmany(timeout_ms=1000)
-                for tp, records in batch.items():
-                    found.extend((tp.partition, record.offset) for record in records)
-                if not batch and all([await consumer.position(tp) >= ends[tp] for tp in tps]):
-                    return found
+            starts = {TopicPartition(topic, p): offsets.get(p, 0) for p in range(self.adapter.partitions)}
+            await read_partitions(
+                consumer,
+                starts,
+                past_listed_ends=True,
+                on_record=lambda record: found.append((record.partition, record.offset)),
+            )
+            return found
         finally:
             await consumer.stop()
 
