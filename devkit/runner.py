@@ -70,14 +70,7 @@ def await_chain(task: asyncio.Task[Any]) -> str:
             break
         last_locals = frame.f_locals
         lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}\n")
-        awaited = next(
-            (
-                getattr(awaited, name)
-                for name in ("cr_await", "ag_await", "gi_yieldfrom")
-                if getattr(awaited, name, None)
-            ),
-            None,
-        )
+        awaited = next((getattr(awaited, name) for name in _AWAITS if getattr(awaited, name, None)), None)
     return "".join(lines)
 
 

@@ -65,8 +65,8 @@ async def call_keeping_cancellation(call: Awaitable[_T], where: str) -> _T:
     asyncio client sends each command through ``asyncio.wait_for``, which before Python 3.12
     swallows a cancellation arriving in the turn the send completes. The receive loop then read
     on, cancelled in name only, with nobody listening, holding its connection and leases, and
-    ``unsubscribe`` never returned (``tests/integration/redis``' lease test hung about one run in
-    five on a loaded machine). ``where`` names the stream in the warning this logs then.
+    ``unsubscribe`` never returned (``tests/integration/redis``' lease test hung in 10 of 28 runs
+    on a loaded machine; docs/production.md, finding 8). ``where`` names the stream in the warning this logs then.
 
     Python 3.11+: the call is awaited in place and ``Task.cancelling()``, which still counts the
     lost request, is checked after it. 3.10 has no such count: the call runs in a task of its own
