@@ -50,7 +50,9 @@ receive; every receive asks for no more than the credit (less what receives stil
 asked for); a receive that comes back empty releases what ``deferred`` holds; every message a
 receive brought is counted as ``received``; a message's seq is taken right before its yield
 (nothing awaited in between); receive failures are retried with backoff for at most
-:data:`RECEIVE_ERROR_LIMIT` in a row; receives still travelling are ended when the loop ends.
+:data:`RECEIVE_ERROR_LIMIT` in a row; receives still travelling are ended when the loop ends;
+the receive and the awaited hooks run through :func:`~._core.tasks.call_keeping_cancellation`, so
+a cancellation a client library loses inside them still ends the loop.
 
 Who runs the template: SQS, Pub/Sub, Redis and Service Bus without sessions. Two receive paths
 keep their own ``_messages`` (an allowed override, and the only ones):
@@ -69,7 +71,7 @@ keep their own ``_messages`` (an allowed override, and the only ones):
 An override keeps the same rules by hand: :meth:`cohort_ready` first, credit
 (:meth:`wait_for_credit`, :meth:`credit`) before each receive, the seq (:meth:`stream_message` /
 :meth:`take_seq`) immediately before each yield, ``self.deferred.release_all()`` on an empty
-receive, and ``received`` counted.
+receive, ``received`` counted, and client calls awaited through ``call_keeping_cancellation``.
 
 Everything else (batch mode, the outcome -> disposition mapping, the poison cap, the credit that
 keeps watcher queues from overflowing, counters and metrics) is here, once. That includes the
@@ -341,10 +343,13 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         await self._after_cohort()
         self._receiving()
         errors = ErrorStreak(self._receive_backoff(), limit=RECEIVE_ERROR_LIMIT)
+        # The hooks below call client libraries on this task: a cancellation one loses still ends
+        # the loop (see _core/tasks.py), as for the receive itself.
+        where = self.source_label()
         try:
             while True:
                 self._check_stream()
-                await self._before_receive()
+                await call_keeping_cancellation(self._before_receive(), where)
                 # Receives are handed out in the order they were started.
                 for received in await self._next_receives():
                     if isinstance(received, BaseException):
@@ -352,10 +357,10 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
                         continue
                     errors.reset()
                     size = len(received)
-                    messages = await self._admit(received)
+                    messages = await call_keeping_cancellation(self._admit(received), where)
                     if not size:
                         self.deferred.release_all()  # a quiet stream: hold nothing (see _core/release.py)
-                        await self._after_empty(received)
+                        await call_keeping_cancellation(self._after_empty(received), where)
                         continue
                     self.counters.add("received", size)
                     if self.receive_ahead:

@@ -18,6 +18,9 @@ from typing import Any, Protocol, TypeVar
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
+# Seconds :func:`wait_for` gives a task it cancelled (because we were) to end before we go on.
+_CANCEL_GRACE = 1.0
+
 
 class Closable(Protocol):
     def close(self) -> Awaitable[Any]: ...
@@ -35,17 +38,24 @@ async def wait_for(awaitable: Awaitable[_T], timeout: float | None) -> _T:
     tests/unit/test_filter_isolation.py run alone). Here the caller's cancellation always
     propagates; a timeout raises ``asyncio.TimeoutError`` after the awaitable was cancelled and
     ended, as with ``asyncio.wait_for``. On 3.12+ this is ``asyncio.wait_for`` (fixed there).
+
+    Before 3.12 the awaitable runs as a task of its own that is only *waited for*
+    (``asyncio.wait``), with or without a timeout: our cancellation raises here even if the task
+    just ended, or swallowed the cancellation passed on to it (a client library's own
+    ``asyncio.wait_for``, see :func:`call_keeping_cancellation`).
     """
     if sys.version_info >= (3, 12):
         return await asyncio.wait_for(awaitable, timeout)
     task = asyncio.ensure_future(awaitable)
-    if timeout is None:
-        return await task  # awaiting a task directly: a cancellation reaches it, or us after it ended
     try:
-        # asyncio.wait only waits: a cancellation of ours raises here even if the task just ended.
         await asyncio.wait((task,), timeout=timeout)
     except asyncio.CancelledError:
         task.cancel()
+        # Let it end before we do (a client call winding down before its client is closed),
+        # but not forever: a task that ignores its cancellation must not hold ours.
+        await asyncio.wait((task,), timeout=_CANCEL_GRACE)
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: we are ending, what it raised meanwhile is dropped
         raise
     if task.done():
         return task.result()
@@ -76,14 +86,8 @@ async def call_keeping_cancellation(call: Awaitable[_T], where: str) -> _T:
     """
     task = asyncio.current_task()
     cancelling = getattr(task, "cancelling", None)
-    if cancelling is None:  # Python 3.10
-        inner = asyncio.ensure_future(call)
-        try:
-            await asyncio.wait((inner,))
-        except asyncio.CancelledError:
-            inner.cancel()
-            raise
-        return inner.result()
+    if cancelling is None:  # Python 3.10: a task of its own, only waited for (see wait_for)
+        return await wait_for(call, None)
     try:
         result = await call
     except asyncio.CancelledError:

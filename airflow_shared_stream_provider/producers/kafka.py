@@ -482,7 +482,8 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 in_flight=lambda: self._in_flight,
                 lookback=late_join_lookback(),
             )
-            await placement.place_at_start(consumer)
+            # Client calls on this task: a cancellation one loses still ends it (see _core/tasks.py).
+            await call_keeping_cancellation(placement.place_at_start(consumer), self.source_label())
         poll_ms = int(self.settings.poll_timeout * 1000)
         group_id = self.group_id
         max_payload_bytes = self.max_envelope_bytes
@@ -490,7 +491,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         while True:
             if placement is not None:
                 if positions.unplaced:
-                    await placement.place_late(consumer)
+                    await call_keeping_cancellation(placement.place_late(consumer), self.source_label())
                 if positions.write_due(write_interval):
                     positions.schedule_write(placement.positions_of)
                 now = time.monotonic()
@@ -657,7 +658,8 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 if not self._paused:
                     consumer.pause(*consumer.assignment())
                     self._paused = True
-                await consumer.getmany(timeout_ms=0)  # paused partitions return nothing
+                # Paused partitions return nothing; a cancellation this loses still ends us.
+                await call_keeping_cancellation(consumer.getmany(timeout_ms=0), self.source_label())
                 return 0
         if self._paused:
             consumer.resume(*consumer.assignment())

@@ -14,6 +14,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
@@ -91,42 +92,91 @@ async def test_a_stream_whose_only_watcher_fails_at_once_stops() -> None:
 
 
 class LosesCancellationsProducer(MemorySharedStreamProducer):
-    """A receive call that loses a cancellation arriving mid-call, as a client library may."""
+    """
+    A client call that loses a cancellation arriving mid-call, as a client library may: in the
+    receive (redis-py's send did) or in one of the loop's hooks that call a client (Kafka's
+    placement, Redis's lease renewal in ``_admit``, Service Bus's settlements in ``_before_receive``).
+    The chosen call takes 0.2 s, the others 0.01 s: the cancellation lands in the chosen one.
+    """
 
-    receives_after_cancel = 0
-    in_receive = asyncio.Event()
+    loses_in: ClassVar[str] = "receive"
+    lost: ClassVar[int] = 0
+    calling: ClassVar[asyncio.Event]
+
+    async def _client_call(self, where: str) -> None:
+        if where != self.loses_in:
+            await asyncio.sleep(0.01)
+            return
+        type(self).calling.set()
+        try:
+            await asyncio.sleep(0.2)
+        except asyncio.CancelledError:
+            type(self).lost += 1
 
     async def _receive(self, count: int) -> list[MemoryMessage]:
-        type(self).in_receive.set()
-        try:
-            await asyncio.sleep(0.02)
-        except asyncio.CancelledError:
-            type(self).receives_after_cancel += 1
+        await self._client_call("receive")
         return []
 
+    async def _before_receive(self) -> None:
+        await self._client_call("before_receive")
 
-class LosesCancellationsTrigger(MemorySharedStreamTrigger):
-    producer_class_path = f"{__name__}.LosesCancellationsProducer"
+    async def _admit(self, received: list[Any]) -> list[Any]:
+        await self._client_call("admit")
+        return received
+
+    async def _after_empty(self, received: list[Any]) -> None:
+        await self._client_call("after_empty")
 
 
-async def test_a_cancellation_a_client_library_loses_still_ends_the_stream() -> None:
+class LosesInBeforeReceive(LosesCancellationsProducer):
+    loses_in = "before_receive"
+
+
+class LosesInAdmit(LosesCancellationsProducer):
+    loses_in = "admit"
+
+
+class LosesInAfterEmpty(LosesCancellationsProducer):
+    loses_in = "after_empty"
+
+
+def _trigger_of(producer: type[LosesCancellationsProducer]) -> type[MemorySharedStreamTrigger]:
+    return type(
+        f"{producer.__name__}Trigger",
+        (MemorySharedStreamTrigger,),
+        {"producer_class_path": f"{__name__}.{producer.__name__}", "__module__": __name__},
+    )
+
+
+# Where the call loses the cancellation -> (producer, its trigger).
+LOSERS: dict[str, tuple[type[LosesCancellationsProducer], type[MemorySharedStreamTrigger]]] = {
+    producer.loses_in: (producer, _trigger_of(producer))
+    for producer in (LosesCancellationsProducer, LosesInBeforeReceive, LosesInAdmit, LosesInAfterEmpty)
+}
+
+
+@pytest.mark.parametrize("loses_in", sorted(LOSERS))
+async def test_a_cancellation_a_client_library_loses_still_ends_the_stream(loses_in: str) -> None:
     # The manager stops a group by cancelling its poll task and awaiting it: the receive loop ends
-    # after the receive that lost it (redis-py's send through asyncio.wait_for did: the stream then
+    # after the call that lost it (redis-py's send through asyncio.wait_for did: the stream then
     # read on with no watcher and unsubscribe never returned; _core/tasks.call_keeping_cancellation).
-    # Before the fix this test hung until pytest-timeout.
-    name = "cancel-lost"
+    # Before the fix this test hung until pytest-timeout (the receive; the hooks until they were
+    # wrapped too).
+    name = f"cancel-lost-{loses_in}"
     memory_broker(name)
+    producer, trigger_class = LOSERS[loses_in]
+    producer.lost, producer.calling = 0, asyncio.Event()
     manager = SharedStreamManager()
     runner = RunnerSim(manager)
     try:
         async with runner:
-            runner.add(1, LosesCancellationsTrigger(broker_name=name))
-            await asyncio.wait_for(LosesCancellationsProducer.in_receive.wait(), 10)
+            runner.add(1, trigger_class(broker_name=name))
+            await asyncio.wait_for(producer.calling.wait(), 10)
             task = asyncio.ensure_future(runner.remove(1))
             await asyncio.wait((task,), timeout=10)
-            assert task.done(), "the stream did not end: its poll task lost its cancellation"
+            assert task.done(), f"the stream did not end: its poll task lost its cancellation in {loses_in}"
             task.result()
-        assert LosesCancellationsProducer.receives_after_cancel == 1
+        assert producer.lost == 1
         assert not manager._groups  # the group is gone, not polling on
     finally:
         brokers.pop(name, None)
