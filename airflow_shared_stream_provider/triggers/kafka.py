@@ -4,22 +4,16 @@ Kafka shared-stream trigger: many AssetWatchers, one aiokafka consumer.
 Imports no Kafka client: Dag files import this module. The consumer lives in
 :mod:`airflow_shared_stream_provider.producers.kafka`, loaded only in the triggerer.
 
-Example::
+Example, two watchers and one aiokafka consumer between them (the triggers share their stream settings)::
 
     from airflow.sdk import Asset, AssetWatcher
     from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger
 
-    eu_orders = Asset(
-        "eu_orders",
-        watchers=[
-            AssetWatcher(
-                name="eu_orders_watcher",
-                trigger=KafkaSharedStreamTrigger(
-                    topics=["orders"], dlq_topic="orders.dlq", match={"body.region": "eu"}
-                ),
-            )
-        ],
-    )
+    def orders_of(region: str) -> Asset:
+        trigger = KafkaSharedStreamTrigger(topics=["orders"], dlq_topic="orders.dlq", match={"body.region": region})
+        return Asset(f"{region}_orders", watchers=[AssetWatcher(name=f"{region}_orders", trigger=trigger)])
+
+    eu_orders, us_orders = orders_of("eu"), orders_of("us")
 """
 
 from __future__ import annotations

@@ -4,24 +4,20 @@ Google Pub/Sub shared-stream trigger: many AssetWatchers, one subscriber client.
 Imports no Google library: Dag files import this module. The client lives in
 :mod:`airflow_shared_stream_provider.producers.pubsub`, loaded only in the triggerer.
 
-Example::
+Example, two watchers and one subscriber client pulling for both (the triggers share their stream settings)::
 
     from airflow.sdk import Asset, AssetWatcher
     from airflow_shared_stream_provider.triggers.pubsub import PubSubSharedStreamTrigger
 
-    eu_orders = Asset(
-        "eu_orders",
-        watchers=[
-            AssetWatcher(
-                name="eu_orders_watcher",
-                trigger=PubSubSharedStreamTrigger(
-                    subscription="projects/my-project/subscriptions/orders-airflow",
-                    dead_letter_topic="orders-dead-letter",
-                    match={"attributes.region": "eu"},
-                ),
-            )
-        ],
-    )
+    def orders_of(region: str) -> Asset:
+        trigger = PubSubSharedStreamTrigger(
+            subscription="projects/my-project/subscriptions/orders-airflow",
+            dead_letter_topic="orders-dead-letter",
+            match={"attributes.region": region},
+        )
+        return Asset(f"{region}_orders", watchers=[AssetWatcher(name=f"{region}_orders", trigger=trigger)])
+
+    eu_orders, us_orders = orders_of("eu"), orders_of("us")
 
 See ``docs/pubsub.md`` for the connection, every option with its default, the guarantees and the
 failure matrix.

@@ -4,22 +4,18 @@ Redis Streams shared-stream trigger: many AssetWatchers, one consumer-group read
 Imports no Redis client: Dag files import this module. The receive loop lives in
 :mod:`airflow_shared_stream_provider.producers.redis`, loaded only in the triggerer.
 
-Example::
+Example, two watchers and one reader in the consumer group (the triggers share their stream settings)::
 
     from airflow.sdk import Asset, AssetWatcher
     from airflow_shared_stream_provider.triggers.redis import RedisSharedStreamTrigger
 
-    eu_orders = Asset(
-        "eu_orders",
-        watchers=[
-            AssetWatcher(
-                name="eu_orders_watcher",
-                trigger=RedisSharedStreamTrigger(
-                    stream="orders", dead_letter_stream="orders:dead-letter", match={"body.region": "eu"}
-                ),
-            )
-        ],
-    )
+    def orders_of(region: str) -> Asset:
+        trigger = RedisSharedStreamTrigger(
+            stream="orders", dead_letter_stream="orders:dead-letter", match={"body.region": region}
+        )
+        return Asset(f"{region}_orders", watchers=[AssetWatcher(name=f"{region}_orders", trigger=trigger)])
+
+    eu_orders, us_orders = orders_of("eu"), orders_of("us")
 """
 
 from __future__ import annotations

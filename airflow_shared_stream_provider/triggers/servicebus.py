@@ -38,20 +38,16 @@ option                       default      meaning
 ``session_idle_timeout``     2.0          seconds without messages before a session is released
 ===========================  ===========  ==========================================================
 
-Example::
+Example, two watchers and and a single peek-lock receiver (the triggers share their stream settings)::
 
     from airflow.sdk import Asset, AssetWatcher
     from airflow_shared_stream_provider.triggers.servicebus import ServiceBusSharedStreamTrigger
 
-    eu_orders = Asset(
-        "eu_orders",
-        watchers=[
-            AssetWatcher(
-                name="eu_orders_watcher",
-                trigger=ServiceBusSharedStreamTrigger(queue_name="orders", match={"body.region": "eu"}),
-            )
-        ],
-    )
+    def orders_of(region: str) -> Asset:
+        trigger = ServiceBusSharedStreamTrigger(queue_name="orders", match={"body.region": region})
+        return Asset(f"{region}_orders", watchers=[AssetWatcher(name=f"{region}_orders", trigger=trigger)])
+
+    eu_orders, us_orders = orders_of("eu"), orders_of("us")
 """
 
 from __future__ import annotations

@@ -4,23 +4,18 @@ AWS SQS shared-stream trigger: many AssetWatchers, one aiobotocore receive loop 
 Imports no AWS client: Dag files import this module. The receive loop lives in
 :mod:`airflow_shared_stream_provider.producers.sqs`, loaded only in the triggerer.
 
-Example::
+Example, two watchers and one receive loop on the queue for both (the triggers share their stream settings)::
 
     from airflow.sdk import Asset, AssetWatcher
     from airflow_shared_stream_provider.triggers.sqs import SqsSharedStreamTrigger
 
     QUEUE = "https://sqs.eu-west-1.amazonaws.com/123456789012/orders"
-    eu_orders = Asset(
-        "eu_orders",
-        watchers=[
-            AssetWatcher(
-                name="eu_orders_watcher",
-                trigger=SqsSharedStreamTrigger(
-                    queue_url=QUEUE, dlq_queue_url=QUEUE + "-dlq", match={"body.region": "eu"}
-                ),
-            )
-        ],
-    )
+
+    def orders_of(region: str) -> Asset:
+        trigger = SqsSharedStreamTrigger(queue_url=QUEUE, dlq_queue_url=QUEUE + "-dlq", match={"body.region": region})
+        return Asset(f"{region}_orders", watchers=[AssetWatcher(name=f"{region}_orders", trigger=trigger)])
+
+    eu_orders, us_orders = orders_of("eu"), orders_of("us")
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ case here fails :func:`test_every_registry_broker_has_a_case`.
 
 from __future__ import annotations
 
+import importlib
 import json
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,3 +151,20 @@ def test_serialize_holds_the_connection_id_never_secrets(name: str, monkeypatch:
     assert not {k for k in kwargs if any(word in k for word in ("password", "secret", "token", "key_"))}
     for secret in case.secrets:
         assert secret not in text
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_module_docstring_example_runs_and_shares_one_stream(name: str) -> None:
+    # The example users copy from the trigger module's docstring (help(), the API docs): it runs,
+    # and its two watchers' triggers are distinct (Airflow keeps one trigger row per distinct
+    # serialisation) yet share one stream.
+    module = importlib.import_module(broker_spec(name).trigger_module)
+    doc = module.__doc__ or ""
+    start = doc.index("::\n", doc.index("Example")) + 3
+    end = doc.find("\n\n", doc.index("eu_orders, us_orders", start))
+    namespace: dict[str, Any] = {}
+    exec(textwrap.dedent(doc[start : end if end != -1 else None]), namespace)  # our own docstring
+    eu, us = namespace["eu_orders"], namespace["us_orders"]
+    (eu_watcher,), (us_watcher,) = eu.watchers, us.watchers
+    assert eu_watcher.trigger.serialize() != us_watcher.trigger.serialize()
+    assert eu_watcher.trigger.shared_stream_key() == us_watcher.trigger.shared_stream_key()
