@@ -26,13 +26,13 @@ from airflow_shared_stream_provider.brokers import HarnessTable
 from devkit.demo_types import (
     DLQ_TOPIC,
     GROUP_ID,
-    KAFKA_DAG_FILES,
     PARTITIONS,
     TOPIC,
     WATCHERS,
     BrokerRestart,
     OrderMessage,
     Settlement,
+    example_dag_files,
 )
 from devkit.kits import BrokerKit, paced_chunks
 from devkit.kits.kafka import KafkaKit, KafkaOrders, Published, kafka_connection
@@ -91,7 +91,6 @@ class DemoStream(abc.ABC, Generic[OrdersT]):
     """One broker's side of the demo: the local broker, its example Dags and its progress."""
 
     broker: str
-    dag_files: tuple[str, ...]
     source_label: str
     dlq_label: str
 
@@ -110,6 +109,11 @@ class DemoStream(abc.ABC, Generic[OrdersT]):
     ) -> None:
         """Publish in order, at most ``rate`` per second, until done or ``stop`` is set."""
         self.orders.publish(messages, rate=rate, stop=stop)
+
+    @property
+    def dag_files(self) -> tuple[str, ...]:
+        """The Dag files the demo copies: the broker's example Dag and what it imports."""
+        return example_dag_files(self.broker)
 
     @property
     def published(self) -> int:
@@ -176,7 +180,6 @@ class DemoStream(abc.ABC, Generic[OrdersT]):
 
 class KafkaDemoStream(DemoStream[KafkaOrders]):
     broker = "kafka"
-    dag_files = KAFKA_DAG_FILES
     source_label = f"topic {TOPIC} ({PARTITIONS} partitions)"
     dlq_label = f"topic {DLQ_TOPIC}"
     # Tansu's storage: memory, or S3 on a moto server of the kit's own (DEVKIT_KAFKA_STORAGE=s3,
@@ -239,7 +242,6 @@ class KafkaDemoStream(DemoStream[KafkaOrders]):
 
 class SqsDemoStream(DemoStream[SqsOrders]):
     broker = "sqs"
-    dag_files = ("example_sqs_orders.py", "order_filters.py", "order_events.py", "orders_spark.py")
     source_label = f"queue {SQS_QUEUE}"
     dlq_label = f"queue {SQS_DLQ}"
     memory_only_reason = "moto keeps its state in memory (a new server starts empty)"
@@ -273,7 +275,6 @@ class SqsDemoStream(DemoStream[SqsOrders]):
 
 class PubSubDemoStream(DemoStream[PubSubOrders]):
     broker = "pubsub"
-    dag_files = ("example_pubsub_orders.py", "order_filters.py", "order_events.py", "orders_spark.py")
     source_label = "subscription orders-airflow of topic orders"
     dlq_label = "topic orders-dlq"
     memory_only_reason = "the Pub/Sub emulator keeps its state in memory"

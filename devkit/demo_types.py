@@ -12,7 +12,16 @@ import json
 from dataclasses import dataclass
 from typing import Any, Final
 
-KAFKA_DAG_FILES: Final = ("example_kafka_orders.py", "order_filters.py", "order_events.py", "orders_spark.py")
+# What every broker's example Dag imports: the filters, the order events and the Spark pipeline.
+PIPELINE_DAG_FILES: Final = ("order_filters.py", "order_events.py", "orders_spark.py")
+
+
+def example_dag_files(broker: str) -> tuple[str, ...]:
+    """A broker's example Dag file and what it imports (example_dags/)."""
+    return (f"example_{broker}_orders.py", *PIPELINE_DAG_FILES)
+
+
+KAFKA_DAG_FILES: Final = example_dag_files("kafka")
 
 TOPIC: Final = "orders"
 DLQ_TOPIC: Final = "orders.dlq"

@@ -19,7 +19,6 @@ __all__ = ["REDIS_CONN_ID", "REDIS_DEAD_LETTER_STREAM", "REDIS_STREAM", "RedisDe
 
 class RedisDemoStream(DemoStream[RedisOrders]):
     broker = "redis"
-    dag_files = ("example_redis_orders.py", "order_filters.py", "order_events.py", "orders_spark.py")
     source_label = f"stream {REDIS_STREAM}"
     dlq_label = f"stream {REDIS_DEAD_LETTER_STREAM}"
 

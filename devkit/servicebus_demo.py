@@ -47,7 +47,6 @@ __all__ = [
 
 class ServiceBusDemoStream(DemoStream[ServiceBusOrders]):
     broker = "servicebus"
-    dag_files = ("example_servicebus_orders.py", "order_filters.py", "order_events.py", "orders_spark.py")
     source_label = f"queue {SERVICEBUS_QUEUE}"
     dlq_label = f"queue {SERVICEBUS_DEAD_LETTER_QUEUE}"
 

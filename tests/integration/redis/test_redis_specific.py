@@ -21,24 +21,16 @@ from airflow_shared_stream_provider.producers.redis import RedisSharedStreamProd
 from airflow_shared_stream_provider.triggers.redis import RedisSharedStreamTrigger
 from devkit.redis_broker import start_redis
 from devkit.runner import RunnerSim, record_producers, wait_until
+from tests.integration import crash
 from tests.integration.contract import batched, orders, wait_until_async, wait_until_settled
 from tests.integration.redis.conftest import RedisAdapter
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
 
-class NoReleaseProducer(RedisSharedStreamProducer):
-    """A producer whose triggerer 'dies': nothing is given back on close, leases just stop."""
-
-    release_on_close = False
-
-
-class CrashingRedisTrigger(RedisSharedStreamTrigger):
-    producer_class_path = f"{__name__}.NoReleaseProducer"
-
-
-def crashing(adapter: RedisAdapter, **kwargs: Any) -> CrashingRedisTrigger:
-    return CrashingRedisTrigger(**adapter.make_trigger(**kwargs).serialize()[1])
+def crashing(adapter: RedisAdapter, **kwargs: Any) -> RedisSharedStreamTrigger:
+    """A trigger whose triggerer 'dies': nothing is given back on close, leases just stop."""
+    return crash.crashing(adapter.make_trigger(**kwargs))
 
 
 async def consumers(adapter: RedisAdapter) -> dict[bytes, dict[bytes, Any]]:

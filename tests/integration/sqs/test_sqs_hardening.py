@@ -5,7 +5,6 @@ itself is refused at start, and FIFO fences do not grow with the number of messa
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Iterator
@@ -93,37 +92,28 @@ async def test_fifo_fences_do_not_grow_with_the_number_of_groups(
     groups = 60
     for group in range(groups):
         await adapter.publish([json.dumps({"group": group}).encode()], group_id=f"g-{group}")
-    # The triggerer re-creates the failed watcher (the stream waits for it: _core/cohort.py).
-    async with RunnerSim(SharedStreamManager(ack_timeout=1.0), recreate_failed=0.2) as runner:
+    # The triggerer re-creates the failed watcher (the stream waits for it: _core/cohort.py);
+    # watcher 2's events are never persisted.
+    manager = SharedStreamManager(ack_timeout=1.0)
+    async with RunnerSim(manager, recreate_failed=0.2, confirm_interval=0.05, withhold={2}) as runner:
+        # One receive in flight: moto's redrive is not thread-safe (two receives that both move
+        # the same message to the DLQ fail one request with a 500 after it marked other messages
+        # received; those come back only after the 30 s visibility timeout, uncounted as
+        # released). Real SQS has no such race; the fences do not depend on the concurrency.
+        runner.add(1, adapter.make_trigger(dlq_queue_url=None, concurrent_receives=1))
+        runner.add(2, adapter.make_trigger(dlq_queue_url=None, concurrent_receives=1))
+        await wait_until(lambda: runner.count(1) >= groups, timeout=60, what="every group's message")
+        await wait_until(lambda: 2 in runner.failures, timeout=30, what="watcher 2's ack timeout")
+        [producer] = producers
 
-        async def persist_only_watcher_1() -> None:
-            while True:
-                await asyncio.sleep(0.05)
-                runner.pending = [p for p in runner.pending if p.trigger_id != 2]
-                runner.persist()
+        async def redriven() -> bool:
+            # Released messages are moved to the redrive DLQ on their next receive: gone for good.
+            moved = len(await adapter.dead_letter_messages())
+            return moved > 0 and moved == producer.counters.redelivered and not producer._unsettled
 
-        persister = asyncio.create_task(persist_only_watcher_1())
-        try:
-            # One receive in flight: moto's redrive is not thread-safe (two receives that both move
-            # the same message to the DLQ fail one request with a 500 after it marked other messages
-            # received; those come back only after the 30 s visibility timeout, uncounted as
-            # released). Real SQS has no such race; the fences do not depend on the concurrency.
-            runner.add(1, adapter.make_trigger(dlq_queue_url=None, concurrent_receives=1))
-            runner.add(2, adapter.make_trigger(dlq_queue_url=None, concurrent_receives=1))
-            await wait_until(lambda: runner.count(1) >= groups, timeout=60, what="every group's message")
-            await wait_until(lambda: 2 in runner.failures, timeout=30, what="watcher 2's ack timeout")
-            [producer] = producers
-
-            async def redriven() -> bool:
-                # Released messages are moved to the redrive DLQ on their next receive: gone for good.
-                moved = len(await adapter.dead_letter_messages())
-                return moved > 0 and moved == producer.counters.redelivered and not producer._unsettled
-
-            await wait_until_async(redriven, timeout=30)
-            assert producer._fences == {}
-            assert not producer._group_in_flight
-        finally:
-            persister.cancel()
+        await wait_until_async(redriven, timeout=30)
+        assert producer._fences == {}
+        assert not producer._group_in_flight
 
 
 async def test_a_reason_quoting_the_message_is_logged_on_one_line(

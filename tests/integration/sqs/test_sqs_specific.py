@@ -16,23 +16,13 @@ import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_shared_stream_provider import SharedStreamConfigError
-from airflow_shared_stream_provider.producers.sqs import SqsSharedStreamProducer
 from airflow_shared_stream_provider.triggers.sqs import SqsSharedStreamTrigger
 from devkit.runner import RunnerSim, wait_until
 from tests.integration.contract import orders, wait_until_async, wait_until_settled
+from tests.integration.crash import crashing
 from tests.integration.sqs.conftest import SqsAdapter
 
 pytestmark = [pytest.mark.integration, pytest.mark.sqs]
-
-
-class NoReleaseProducer(SqsSharedStreamProducer):
-    """A producer whose triggerer 'dies': nothing is released on close, leases just stop."""
-
-    release_on_close = False
-
-
-class CrashingSqsTrigger(SqsSharedStreamTrigger):
-    producer_class_path = f"{__name__}.NoReleaseProducer"
 
 
 async def wait_for_counts(adapter: SqsAdapter, expected: tuple[int, int], *, timeout: float = 20.0) -> None:
@@ -95,7 +85,7 @@ async def test_messages_come_back_after_a_crash(adapter: SqsAdapter) -> None:
     await adapter.publish(orders(4))
     manager = SharedStreamManager(ack_timeout=60)
     async with RunnerSim(manager) as runner:
-        runner.add(1, CrashingSqsTrigger(**adapter.make_trigger(visibility_timeout=2).serialize()[1]))
+        runner.add(1, crashing(adapter.make_trigger(visibility_timeout=2)))  # nothing released on close
         await wait_until(lambda: len(runner.pending) == 4, timeout=20, what="4 fired events")
         runner.crash()
     # The dead triggerer released nothing: the messages are in flight until their lease runs out.
