@@ -38,7 +38,9 @@ published one by one at ``--rate`` per second, each stamped with its send time i
 p50 / p95 of persist time - send time over every (watcher, message). **Idle** calls per minute:
 the same watchers for ``--idle`` seconds with nothing to read; ours counts the producers' own
 ``api_calls`` counter (none where the harness' ``counts_api_calls`` is false: Kafka's producer
-counts its commits, not aiokafka's background fetches), upstream what its module counts.
+counts its commits, not aiokafka's background fetches), upstream what its module counts. Where
+a producer counts its calls by kind (Pub/Sub: ``pull_calls``, ``ack_calls``, ``modify_calls``,
+``publish_calls``), the backlog rows also give them (``calls_by_kind``) and the pulls' mean size.
 ``--kill`` runs an upstream module's ``kill_check`` (Pub/Sub: kill -9 while consuming).
 
 Writes ``bench/results/stream-<date>[-<label>].json`` and prints markdown tables. The Kafka
@@ -122,6 +124,19 @@ def api_calls(since: int, broker: BenchBroker | None = None) -> int | None:
     return sum(producer.counters.api_calls for producer in PRODUCERS[since:])
 
 
+def calls_by_kind(since: int) -> dict[str, int] | None:
+    """
+    The ``api_calls`` of the producers built since ``since``, by kind, where a producer counts
+    them (Pub/Sub: ``pull_calls``, ``ack_calls``, ``modify_calls``, ``publish_calls``); None elsewhere.
+    """
+    kinds: dict[str, int] = {}
+    for producer in PRODUCERS[since:]:
+        for name, value in vars(producer).items():
+            if name.endswith("_calls") and isinstance(value, int):
+                kinds[name.removesuffix("_calls")] = kinds.get(name.removesuffix("_calls"), 0) + value
+    return kinds or None
+
+
 # -- results -------------------------------------------------------------------------------------
 @dataclass
 class Row:
@@ -139,6 +154,7 @@ class Row:
     persisted_s: float | None = None  # ours: subscribe -> every watcher persisted (before settling)
     settle_check_s: float | None = None  # ours: how long the settle check that answered 0 took
     note: str = ""
+    calls_by_kind: dict[str, int] | None = None  # ours, where the producer counts them (calls_by_kind)
 
     @property
     def msgs_per_s(self) -> float:
@@ -238,6 +254,7 @@ async def ours_backlog(broker: BenchBroker, n: int, args: argparse.Namespace) ->
         persisted_at, cpu = time.perf_counter(), cpu_seconds() - cpu0
         settled_at, check_s = await settled(stream, args.timeout if done else 5.0)
         calls, rss, failures = api_calls(mark, broker), current_rss_mb(), runner.failure_summary()
+        kinds = calls_by_kind(mark)
         seen = min(runner.per_trigger[i] for i in range(n)) / messages
     notes = [] if done else ["timed out"]
     if settled_at is None:
@@ -247,7 +264,7 @@ async def ours_backlog(broker: BenchBroker, n: int, args: argparse.Namespace) ->
     end = settled_at if settled_at is not None else time.perf_counter()
     return Row(
         broker.name, "ours", n, messages, end - t0, cpu, seen, calls, rss,
-        persisted_s=persisted_at - t0, settle_check_s=check_s, note="; ".join(notes),
+        persisted_s=persisted_at - t0, settle_check_s=check_s, note="; ".join(notes), calls_by_kind=kinds,
     )  # fmt: skip
 
 
@@ -370,6 +387,18 @@ async def bench_broker(name: str, args: argparse.Namespace, result: dict[str, An
 def emit(result: dict[str, Any], row: Row) -> None:
     result["rows"].append(row)
     print(backlog_line(row), flush=True)
+    if row.calls_by_kind:
+        print(f"# {row.broker} {row.impl} N={row.n} calls by kind: {kinds_text(row)}", flush=True)
+
+
+def kinds_text(row: Row) -> str:
+    """``pull 24 (83 msgs each), ack 23, modify 0, publish 0`` (the pulls' size: messages / pull calls)."""
+    kinds = row.calls_by_kind or {}
+    parts = []
+    for kind, count in kinds.items():
+        each = f" ({row.messages / count:.0f} msgs each)" if kind == "pull" and count else ""
+        parts.append(f"{kind} {count}{each}")
+    return ", ".join(parts)
 
 
 # -- tables --------------------------------------------------------------------------------------
@@ -418,6 +447,11 @@ def render(result: dict[str, Any]) -> str:
             "",
             markdown_table(STEADY_HEADER, [steady_cells(steady) for steady in result["steady"]]),
         ]
+    parts += [
+        f"calls by kind, {row.broker} {row.impl} N={row.n}: {kinds_text(row)}"
+        for row in result["rows"]
+        if row.calls_by_kind
+    ]
     for what in ("skipped", "failed"):
         parts += [f"{what}: {name}: {reason}" for name, reason in result[what].items()]
     parts += [f"kill -9, {name}: messages lost per kill {losses}" for name, losses in result["kill"].items()]

@@ -313,3 +313,55 @@ async def test_a_nacked_ordering_key_nacks_its_later_messages_from_earlier_pulls
     await made._apply([Decided(_delivery("k3", "K", pull_index=2), commit)])
     assert made._buffer.acks == ["u1", "k3"]
     assert "K" not in made._key_barriers
+
+
+async def test_no_pull_for_a_trickle_of_credit_while_the_slowest_watcher_has_a_backlog() -> None:
+    """
+    stream_bench, N=10: the slowest watcher's lag bounds the credit (a 204-message window) and
+    frees it one message at a time; pulling whatever credit there was made 247 pulls of ~8
+    messages for 2,000 (26 at N=1). A pull now waits until it may ask for min(max_messages,
+    half a window): none is started ahead of the broadcast, and the next waits for the backlog.
+    """
+    import asyncio
+    import uuid
+
+    from airflow_shared_stream_provider._core.flow import gates
+    from airflow_shared_stream_provider._core.producer import Received
+    from airflow_shared_stream_provider.producers.pubsub_client import Pulled
+
+    made = producer(subscription=f"projects/proj-a/subscriptions/pull-floor-{uuid.uuid4().hex[:8]}")
+    started: list[int] = []
+    made._start_receive = started.append  # records the pulls the base's loop would start
+    gate = made.gate
+    try:
+        for token in range(10):
+            gate.register(token)
+        assert gate.window == 204
+        gate.hold_bytes(200)
+        gate.release_bytes(200)  # small messages: the byte budget does not bound the credit
+        assert gate.in_flight_limit == 51  # slow start's first round: 512 events / 10 watchers
+        for _ in range(200):
+            gate.next_seq()
+        gate.advanced(200)  # every message settled (slow start over): only the queues bound the credit
+        for token in range(9):
+            gate.consumed(token, 200)
+        gate.consumed(9, 10)  # the slowest watcher has 190 messages queued: 14 of credit
+        assert gate.lag() == 190 and made.credit() == 14
+
+        # A pull of 5 answers; the base starts the next one while these 5 are broadcast.
+        pulled = [Pulled(f"a{i}", f"m{i}", "", 0, {}, None, b"x") for i in range(5)]
+        await made._admit(Received(pulled, started=0.0, number=1))
+        made._receive_ahead(len(pulled))
+        assert started == []  # before the fix: a pull of 9 messages
+        for _ in pulled:
+            gate.next_seq()  # broadcast: 195 queued for the slowest watcher
+        waiting = asyncio.ensure_future(made._before_receive())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+
+        gate.consumed(9, 125)  # 80 queued: 124 of credit, worth a pull of 100
+        await asyncio.wait_for(waiting, 1.0)
+        made._receive_ahead(0)
+        assert started == [100]
+    finally:
+        gates.release(made.stream_key, gate)
