@@ -21,6 +21,20 @@ handled) only once ``w``'s threshold on ``L`` is at or below it, i.e. ``w`` rece
 between them; so a position never passes a message ``w`` did not get. Positions lag (they are
 written every ``position_interval`` seconds), which costs duplicates after a crash, never loss.
 
+A watcher whose threshold is *above* ``lane.position()`` (its siblings' replay after a rewind for a
+late watcher is still in flight) is at its threshold: it had everything below it. Its position is
+``max(threshold, lane.position())``, never the value it wrote before the rewind (that froze a
+watcher moved during a rewind at its old position, and it replayed everything again).
+
+A watcher that leaves (its triggerer stops it, or hands it to another one) stores its position at
+once, and then, while it is a *departed* member, again as the messages it had settle: in a
+triggerer the persist confirmations of its events arrive in the same state sync as its
+cancellation, before the producer advanced them, so the position at the instant it left can be
+the whole unconfirmed backlog behind (found by the production chaos run: a supervisor that took
+16 s to persist a backlog, then confirmed it and moved two watchers in one sync; they came back at
+0 and replayed everything). Departed members are followed for at most :data:`DEPARTED_TRACKING`
+seconds, until their position cannot improve, or until the same watcher joins again here.
+
 Why in ``_core`` although Kafka is its only broker today: the core itself uses it (every watcher
 joins it in :mod:`.trigger`, keyed by :func:`position_key` of its settings' ``position_scope()``,
 a :class:`.settings.StreamSettings` hook that is None for a broker that keeps no
@@ -41,10 +55,11 @@ import contextlib
 import hashlib
 import itertools
 import logging
+import sys
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from airflow_shared_stream_provider._core.cohort import CONFIG_SECTION
 from airflow_shared_stream_provider._core.state_store import StateStore, read_quietly, write_quietly
@@ -59,6 +74,10 @@ _member_numbers = itertools.count(1)
 DEFAULT_POSITION_INTERVAL: Final = 5.0
 DEFAULT_LATE_JOIN_LOOKBACK: Final = 300.0
 RECORD_VERSION: Final = 1
+# How long a watcher that left is followed (its messages in flight settle, see the module
+# docstring), and how often its position is written meanwhile.
+DEPARTED_TRACKING: Final = 60.0
+DEPARTED_WRITE_INTERVAL: Final = 0.5
 
 
 def position_interval() -> float:
@@ -106,6 +125,19 @@ def parse_record(record: Any) -> dict[str, int] | None:
     return parsed
 
 
+def _cancelled() -> bool:
+    """
+    Whether the watcher leaving now was cancelled (Airflow stops it, or moves it to another
+    triggerer): ``leave`` runs in its ``finally``, where the exception in flight tells. Only such a
+    watcher is followed after it left. One that ends on an error is not: the manager may have
+    excluded it from its broadcasts before (a queue overflow or an ack timeout fails a subscriber
+    at once, and it raises only when it next pulls), so messages read before it left may never
+    have reached it, and only the position it had then is safe.
+    """
+    exc = sys.exc_info()[1]
+    return isinstance(exc, asyncio.CancelledError | GeneratorExit)
+
+
 @dataclass
 class PositionMember:
     """One watcher of the stream in this process, as the producer sees it."""
@@ -115,15 +147,34 @@ class PositionMember:
     key: str
     stores: list[tuple[str, StateStore]]
     lookup: asyncio.Task[None] | None = None
-    # What its state store held when it joined (None: nothing, or no state store at all).
+    # What its state store held when it joined (None: nothing, or no state store at all), and
+    # when that was read (:meth:`WatcherPositions.refresh` reads it again when it is old).
     stored: dict[str, int] | None = None
+    read_at: float | None = None
+    reread: asyncio.Task[None] | None = None
     # Set by the producer once it has placed the member on every lane (thresholds known).
     placed: bool = False
     written: dict[str, int] = field(default_factory=dict)
+    # Departed members only: until when they are followed, and their write at leave.
+    departed_until: float | None = None
+    farewell: asyncio.Task[None] | None = None
 
     @property
     def looked_up(self) -> bool:
         return self.lookup is None or self.lookup.done()
+
+
+class Departures(Protocol):
+    """The producer's side of departed members (it knows the lanes)."""
+
+    def depart(self, member: PositionMember) -> bool:
+        """The member left: follow it (False: its position cannot improve, do not follow)."""
+
+    def settled(self, member: PositionMember) -> bool:
+        """Its position can improve no more."""
+
+    def forget_departed(self, member: PositionMember) -> None:
+        """Stop following it."""
 
 
 @dataclass
@@ -136,9 +187,13 @@ class WatcherPositions:
     unplaced: list[int] = field(default_factory=list)
     # Set by the producer once it placed the stream's lanes: a member's positions now.
     positions_of: Callable[[PositionMember], dict[str, int] | None] | None = None
+    # Set by a producer that can follow departed members (see the module docstring).
+    departures: Departures | None = None
+    departed: dict[int, PositionMember] = field(default_factory=dict)
     _writer: asyncio.Task[None] | None = None
     _farewells: set[asyncio.Task[None]] = field(default_factory=set)
     _last_write: float = 0.0
+    _last_departed_write: float = 0.0
 
     # -- watcher side --------------------------------------------------------------------------
     def join(self, identity: str, key: str, stores: list[tuple[str, StateStore]]) -> int:
@@ -147,6 +202,8 @@ class WatcherPositions:
         background. Returns its member number (what :attr:`StreamMessage.skip_for` holds).
         """
         number = next(_member_numbers)
+        for gone in [m for m in self.departed.values() if m.key == key]:
+            self._forget(gone)  # the same watcher is back: its own writes take over
         member = PositionMember(number, identity, key, stores)
         self.members[number] = member
         self.unplaced.append(number)
@@ -166,21 +223,46 @@ class WatcherPositions:
             self.unplaced.remove(number)
         if member is None:
             return
-        if member.lookup is not None and not member.lookup.done():
-            member.lookup.cancel()
+        for task in (member.lookup, member.reread):
+            if task is not None and not task.done():
+                task.cancel()
         if member.placed and member.stores and self.positions_of is not None:
+            if self.departures is not None and _cancelled() and self.departures.depart(member):
+                member.departed_until = self.clock() + DEPARTED_TRACKING
+                self.departed[number] = member
             positions = self.positions_of(member)
             if positions and positions != member.written:
                 task = asyncio.ensure_future(self._write([(member, positions)]))
+                member.farewell = task
                 self._farewells.add(task)
                 task.add_done_callback(self._farewells.discard)
 
-    async def _read(self, member: PositionMember) -> None:
-        # Unreadable: a lost position costs duplicates (the group offset is the fallback).
+    def _forget(self, member: PositionMember) -> None:
+        self.departed.pop(member.number, None)
+        if self.departures is not None:
+            self.departures.forget_departed(member)
+
+    async def _read(self, member: PositionMember, *, again: bool = False) -> None:
+        # Unreadable: a lost position costs duplicates (the group offset is the fallback). Read
+        # again: an unreadable record keeps what the first read found.
         _, store = member.stores[0]
-        member.stored = parse_record(
-            await read_quietly(store, member.key, f"the positions {member.key} of {member.identity}")
-        )
+        stored = parse_record(await read_quietly(store, member.key, f"the positions {member.key} of {member.identity}"))
+        if stored is not None or not again:
+            member.stored = stored
+        member.read_at = self.clock()
+
+    def refresh(self, *, older_than: float) -> None:
+        """
+        Read again, in the background, the stored positions of the members read more than
+        ``older_than`` seconds ago (a stream places its watchers after the cohort wait, up to
+        ``cohort_max_wait`` after they joined: meanwhile the same watcher may still have run on
+        another triggerer and stored a newer position, e.g. when leaving it). Any stored value is
+        a valid position (the invariant above); the newest costs the fewest duplicates.
+        """
+        now = self.clock()
+        for member in self.members.values():
+            if member.stores and member.looked_up and member.read_at is not None and now - member.read_at >= older_than:
+                member.reread = asyncio.ensure_future(self._read(member, again=True))
 
     # -- producer side -------------------------------------------------------------------------
     def has_unplaced(self) -> bool:
@@ -202,23 +284,49 @@ class WatcherPositions:
 
     async def wait_lookups(self, timeout: float) -> None:
         """Wait (bounded) until every member's stored positions were read."""
-        pending = [m.lookup for m in self.members.values() if m.lookup is not None and not m.lookup.done()]
+        pending = [
+            task for m in self.members.values() for task in (m.lookup, m.reread) if task is not None and not task.done()
+        ]
         if pending:
             await asyncio.wait(pending, timeout=timeout)
 
     def write_due(self, interval: float) -> bool:
         return self.clock() - self._last_write >= interval and (self._writer is None or self._writer.done())
 
-    def schedule_write(self, positions_of: Callable[[PositionMember], dict[str, int] | None]) -> None:
-        """Write, in the background, every placed member's positions that changed since its last write."""
-        self._last_write = self.clock()
+    def departed_write_due(self) -> bool:
+        """Departed members are written more often than the others (every DEPARTED_WRITE_INTERVAL)."""
+        return (
+            bool(self.departed)
+            and self.clock() - self._last_departed_write >= DEPARTED_WRITE_INTERVAL
+            and (self._writer is None or self._writer.done())
+        )
+
+    def schedule_write(
+        self, positions_of: Callable[[PositionMember], dict[str, int] | None], *, departed_only: bool = False
+    ) -> None:
+        """
+        Write, in the background, every placed member's positions that changed since its last write
+        (``departed_only``: the departed members' only).
+        """
+        now = self._last_departed_write = self.clock()
+        if not departed_only:
+            self._last_write = now
         updates: list[tuple[PositionMember, dict[str, int]]] = []
-        for member in self.members.values():
+        for member in () if departed_only else self.members.values():
             if not member.placed or not member.stores:
                 continue
             positions = positions_of(member)
             if positions and positions != member.written:
                 updates.append((member, positions))
+        for member in list(self.departed.values()):
+            if member.farewell is not None and not member.farewell.done():
+                continue  # one write at a time per member: a later one must not land first
+            settled = self.departures is None or self.departures.settled(member)
+            positions = positions_of(member)
+            if positions and positions != member.written:
+                updates.append((member, positions))
+            if settled or (member.departed_until is not None and now >= member.departed_until):
+                self._forget(member)
         if updates:
             self._writer = asyncio.ensure_future(self._write(updates))
 
@@ -245,7 +353,10 @@ class WatcherPositions:
 
     async def close(self) -> None:
         self.positions_of = None
-        for task in [self._writer, *self._farewells, *(m.lookup for m in self.members.values())]:
+        self.departures = None
+        self.departed.clear()
+        tasks = [self._writer, *self._farewells, *(t for m in self.members.values() for t in (m.lookup, m.reread))]
+        for task in tasks:
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -481,6 +481,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 source_label=self.source_label(),
                 in_flight=lambda: self._in_flight,
                 lookback=late_join_lookback(),
+                batching=self.batching,
             )
             # Client calls on this task: a cancellation one loses still ends it (see _core/tasks.py).
             await call_keeping_cancellation(placement.place_at_start(consumer), self.source_label())
@@ -494,6 +495,8 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                     await call_keeping_cancellation(placement.place_late(consumer), self.source_label())
                 if positions.write_due(write_interval):
                     positions.schedule_write(placement.positions_of)
+                elif positions.departed and positions.departed_write_due():
+                    positions.schedule_write(placement.positions_of, departed_only=True)
                 now = time.monotonic()
                 if placement.sample_due(now):
                     placement.sample_positions(now)
@@ -852,6 +855,8 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             # lag by up to position_interval, which costs duplicates, never loss).
             await gate.positions.flush(placement.positions_of, timeout=POSITION_FLUSH_TIMEOUT)
             gate.positions.positions_of = None
+            gate.positions.departures = None
+            gate.positions.departed.clear()  # their lanes are gone: what was written stays
         try:
             await self._close_clients()
         finally:

@@ -60,6 +60,11 @@ class Lane:
     # deliver them again (they are in the DLQ): a watcher that failed on a poison message and comes
     # back behind it would otherwise fail on it again on every comeback.
     dead: set[int] = field(default_factory=set)
+    # Watchers that left while placed on this lane (member number -> [threshold, bound]), until
+    # their position cannot improve any more (see :meth:`departed_position`). ``bound`` starts at
+    # what the lane had read when it left (nothing read later was broadcast to it) and drops to any
+    # offset held since (a message it was sent but never took, resolved as failed: it never got it).
+    departed: dict[int, list[int]] = field(default_factory=dict)
 
     @classmethod
     def placed(cls, epoch: int, offset: int, *, attempts: dict[int, int], thresholds: dict[int, int]) -> Lane:
@@ -114,6 +119,9 @@ class Lane:
     def hold(self, offset: int, *, attempts: int) -> None:
         """The offset must be read again (failed or nobody subscribed); ``attempts`` so far."""
         self.redeliver.add(offset)
+        if self.departed:
+            for mark in self.departed.values():
+                mark[1] = min(mark[1], offset)
         self.attempts[offset] = attempts
         if len(self.attempts) > MAX_KEPT_ATTEMPTS:  # kept past settling (keep_attempts): oldest go first
             del self.attempts[min(self.attempts)]
@@ -123,6 +131,52 @@ class Lane:
         if self.yielded:
             return self.yielded[0]
         return self.high_yielded + 1 if self.high_yielded >= 0 or self.placed_at is not None else None
+
+    def depart(self, member: int) -> bool:
+        """
+        A placed watcher left: track its position until the messages it had settle (False: it
+        was not placed on this lane). Valid only when everything read was broadcast already
+        (no batch forming), which the caller checks.
+        """
+        threshold = self.thresholds.get(member)
+        if threshold is None:
+            return False
+        bound = self.next_read()
+        # An offset held before it left (waiting, or re-read and in flight again) may be broadcast
+        # again without it: the bound stays below. Such offsets have an attempt count (``hold``);
+        # one restored from a commit's metadata may never have been held: the bound is only lower.
+        if self.redeliver:
+            bound = min(bound, *self.redeliver)
+        if self.attempts:
+            bound = min(
+                (o for o in self.yielded if o < bound and o not in self.done and o in self.attempts), default=bound
+            )
+        self.departed[member] = [threshold, bound]
+        return True
+
+    def departed_position(self, member: int) -> int | None:
+        """
+        The position of a watcher that left: ``max(threshold, min(bound, position()))``. Below
+        ``position()`` every offset is done, i.e. each watcher it was broadcast to resolved it, and
+        a watcher that left resolves what it took only once its events are persisted (the
+        manager's persist gate) and what it never took as failed (a hold: below ``bound``). Below
+        its threshold it had everything before it was placed. Never decreases: a later hold is
+        of an offset that was in flight, so at or above ``position()`` all along.
+        """
+        mark = self.departed.get(member)
+        if mark is None:
+            return None
+        threshold, bound = mark
+        position = self.position()
+        return max(threshold, bound if position is None else min(bound, position))
+
+    def departure_settled(self, member: int) -> bool:
+        """Its position can improve no more (the lane passed its bound)."""
+        mark = self.departed.get(member)
+        if mark is None:
+            return True
+        position = self.position()
+        return mark[0] >= mark[1] or (position is not None and position >= mark[1])
 
     def dead_lettered(self, offset: int) -> None:
         """Remember a dead-lettered offset (watcher positions only; bounded like the attempt counts)."""

@@ -30,6 +30,8 @@ POSITION_LOOKUP_TIMEOUT = 10.0
 REWIND_DRAIN_TIMEOUT = 15.0
 # How often a lane's position is sampled for the late-join lookback (see lookback_start).
 POSITION_SAMPLE_INTERVAL = 1.0
+# Stored positions read longer ago than this when the stream places its watchers are read again.
+POSITION_REREAD_AGE = 1.0
 
 
 def lane_label(tp: TopicPartition) -> str:
@@ -38,7 +40,11 @@ def lane_label(tp: TopicPartition) -> str:
 
 
 class WatcherPlacement:
-    """The watcher positions of one Kafka stream (one producer), on its lanes."""
+    """
+    The watcher positions of one Kafka stream (one producer), on its lanes; also the positions'
+    :class:`~airflow_shared_stream_provider._core.positions.Departures`: watchers that left are
+    followed on the lanes until the messages they had settle (see _core/positions.py).
+    """
 
     def __init__(
         self,
@@ -50,6 +56,7 @@ class WatcherPlacement:
         source_label: str,
         in_flight: Callable[[], int],
         lookback: float,
+        batching: bool,
     ) -> None:
         self.lanes = lanes
         self.positions = positions
@@ -58,6 +65,7 @@ class WatcherPlacement:
         self.source_label = source_label
         self.in_flight = in_flight
         self.lookback = lookback
+        self.batching = batching
         # Per lane, (monotonic time, lane.position()) at each change within the late-join lookback,
         # plus the last sample before it: where the lane was ``lookback`` seconds ago.
         self._history: dict[TopicPartition, deque[tuple[float, int]]] = {}
@@ -77,6 +85,7 @@ class WatcherPlacement:
         below its own position (it fired those already).
         """
         positions = self.positions
+        positions.refresh(older_than=POSITION_REREAD_AGE)  # read before a long cohort wait: maybe stale
         await positions.wait_lookups(timeout=POSITION_LOOKUP_TIMEOUT)
         members = positions.take_placeable(everyone=True)
         tps = list(self.lanes)
@@ -112,6 +121,7 @@ class WatcherPlacement:
         for member in members:
             member.placed = True
         positions.positions_of = self.positions_of
+        positions.departures = self
         self.sample_positions(time.monotonic())  # a stream younger than the lookback: its start
         self.log.info(
             "Kafka shared stream %s placed %d watcher(s): %s",
@@ -217,6 +227,12 @@ class WatcherPlacement:
         start = min(thresholds.values())
         rewound = Lane.placed(next_epoch(), start, attempts=dict(lane.attempts), thresholds=thresholds)
         rewound.dead = set(lane.dead)
+        for number in lane.departed:
+            # What the rewound lane re-reads is broadcast without it: its position here stops
+            # where the old lane had it (a mark whose threshold is its bound: settled).
+            frozen = lane.departed_position(number)
+            if frozen is not None:
+                rewound.departed[number] = [frozen, frozen]
         self.lanes[tp] = rewound
         consumer.seek(tp, start)
         self.counters.add("rewinds")
@@ -250,16 +266,22 @@ class WatcherPlacement:
     def positions_of(self, member: PositionMember) -> dict[str, int] | None:
         """
         What to store for ``member``: per lane, ``lane.position()`` once the member's threshold is
-        at or below it (it received everything in between), else what it had (see the invariant in
-        _core/positions.py).
+        at or below it (it received everything in between), else its threshold (it had everything
+        below; a rewind for a late sibling put the lane behind it). A member that left: see
+        :meth:`Lane.departed_position`. A lane it was never placed on: what it had (see the
+        invariant in _core/positions.py).
         """
         out: dict[str, int] = {}
         for tp, lane in self.lanes.items():
             label = lane_label(tp)
+            departed = lane.departed_position(member.number) if lane.departed else None
+            if departed is not None:
+                out[label] = departed
+                continue
             first = lane.thresholds.get(member.number)
-            position = lane.position()
-            if first is not None and position is not None and first <= position:
-                out[label] = position
+            if first is not None:
+                position = lane.position()
+                out[label] = first if position is None else max(first, position)
                 continue
             kept = member.written.get(label)
             if kept is None and member.stored:
@@ -267,3 +289,23 @@ class WatcherPlacement:
             if kept is not None:
                 out[label] = kept
         return out or None
+
+    # -- watchers that left (positions.Departures) ---------------------------------------------
+    def depart(self, member: PositionMember) -> bool:
+        """
+        Follow ``member``, which left, on the lanes it was placed on (False: not placed, or batch
+        mode: there a message can be read (``Lane.next_read`` passed it) and still be forming a
+        batch when the watcher leaves, so it is broadcast without the watcher and the bound would
+        pass it; such a watcher keeps the position it had when it left).
+        """
+        if self.batching:
+            return False
+        marked = [lane.depart(member.number) for lane in self.lanes.values()]
+        return any(marked)
+
+    def settled(self, member: PositionMember) -> bool:
+        return all(lane.departure_settled(member.number) for lane in self.lanes.values())
+
+    def forget_departed(self, member: PositionMember) -> None:
+        for lane in self.lanes.values():
+            lane.departed.pop(member.number, None)
