@@ -385,16 +385,31 @@ class FlowGate:
             by_bytes = -(-by_bytes // unit)  # batches; the producer caps the messages (credit())
         return max(0, min(by_lag, by_flight, by_bytes))
 
-    async def wait_for_credit(self) -> int:
-        """Wait until at least one message may be yielded; return the available credit."""
+    def lag_credit(self) -> int:
+        """What the slowest watcher's queue alone allows (its window less what it has queued)."""
+        return self._window - self.lag()
+
+    async def wait_for_credit(self, minimum: int = 1) -> int:
+        """
+        Wait until at least one message may be yielded; return the available credit.
+
+        ``minimum`` (> 1): while the slowest watcher's queue is what holds the credit below it,
+        wait until that queue has room for ``minimum`` (a producer's smallest receive worth its
+        call, see :meth:`SharedStreamProducerBase.receive_floor`): that queue frees its room a
+        message at a time, and receiving each trickle costs a broker call for a few messages.
+        Credit held back by anything else (in flight, bytes) is returned as it is.
+        """
         while True:
             available = self.credit()
-            if available > 0:
+            short = available < minimum and self.lag_credit() < minimum
+            if available > 0 and not short:
                 return available
             if self._wakeup is None:
                 self._wakeup = asyncio.Event()
             self._wakeup.clear()
-            self._resume_seq = self._produced - self._window // 2
+            # Woken when a watcher passed this seq (consumed()): for a short credit, once the
+            # slowest one has room for ``minimum``; for none, once half a window is free.
+            self._resume_seq = self._produced - (self._window - minimum if available > 0 else self._window // 2)
             self._blocked = True
             # Holding for an away watcher or a shortfall: also wake when the hold ends.
             holding = max(
@@ -435,8 +450,11 @@ class FlowGate:
 
     def consumed(self, token: int, seq: int) -> None:
         """A watcher pulled message ``seq`` from its queue."""
+        before = self._consumed.get(token, seq)
         self._consumed[token] = seq
-        if self._blocked and seq >= self._resume_seq:
+        # Woken as a watcher *crosses* the resume seq (the slowest one's crossing is the one that
+        # frees the credit); watchers already past it do not wake the producer for every message.
+        if self._blocked and before < self._resume_seq <= seq:
             self._wake()
 
     # -- internals -----------------------------------------------------------------------------

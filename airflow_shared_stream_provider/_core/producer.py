@@ -47,7 +47,8 @@ Optional (the default does nothing or the usual thing):
 
 The rules the template keeps (a broker cannot break them): the cohort forms before the first
 receive; every receive asks for no more than the credit (less what receives still travelling
-asked for); a receive that comes back empty releases what ``deferred`` holds; every message a
+asked for), and for no trickle of it while the slowest watcher's queue holds it back
+(:meth:`receive_floor`); a receive that comes back empty releases what ``deferred`` holds; every message a
 receive brought is counted as ``received``; a message's seq is taken right before its yield
 (nothing awaited in between); receive failures are retried with backoff for at most
 :data:`RECEIVE_ERROR_LIMIT` in a row; receives still travelling are ended when the loop ends;
@@ -381,8 +382,9 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         The next receives to hand out, in the order they were started: their messages, or the
         error (one of :attr:`receive_errors`) they failed with. Never asks for more than the credit.
         """
+        floor = self.receive_floor()
         if not self.concurrent_receives:
-            credit = await self.wait_for_credit()
+            credit = await self.wait_for_credit(floor)
             try:
                 # A cancellation the client loses ends the loop all the same (see _core/tasks.py).
                 receive = self._receive(min(credit, self.max_receive))
@@ -391,13 +393,15 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
                 return [exc]
         receives = self._receives
         # Up to concurrent_receives in flight, together never asking for more than the credit.
-        available = self.credit() - sum(receives.values())
-        while len(receives) < self.concurrent_receives and available > 0:
+        asked = sum(receives.values())
+        available = self.credit() - asked
+        while len(receives) < self.concurrent_receives and self._worth_receiving(available, asked, floor):
             count = min(self.max_receive, available)
             self._start_receive(count)
             available -= count
+            asked += count
         if not receives:
-            await self.wait_for_credit()
+            await self.wait_for_credit(floor)
             return []
         # Not cancelled with the loop: _end_receives decides what becomes of a receive travelling.
         done, _ = await asyncio.wait(receives, return_when=asyncio.FIRST_COMPLETED)
@@ -419,9 +423,34 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
     def _receive_ahead(self, size: int) -> None:
         """Start the next receive while ``size`` messages just received are broadcast (their credit taken)."""
         if len(self._receives) < self.concurrent_receives:
-            more = self.credit() - size - sum(self._receives.values())
-            if more > 0:
+            asked = size + sum(self._receives.values())
+            more = self.credit() - asked
+            if self._worth_receiving(more, asked, self.receive_floor()):
                 self._start_receive(min(self.max_receive, more))
+
+    def receive_floor(self) -> int:
+        """
+        The fewest messages a receive should ask for while the slowest watcher's queue is what
+        holds the credit back: ``min(max_receive, window / 2)`` (1 in batch mode, where the credit
+        counts batches). That queue frees its room a message at a time as the watcher works
+        through it; receiving each trickle made a broker call for a few messages (Pub/Sub at 10
+        watchers: 247 pulls of ~8 messages for 2,000, against 26 with one watcher; Redis and SQS
+        the same way). The slowest watcher has at least half a window queued meanwhile, so
+        waiting costs no watcher anything.
+        """
+        if self.batching:
+            return 1
+        return max(1, min(self.max_receive, self.gate.window // 2))
+
+    def _worth_receiving(self, available: int, asked: int, floor: int) -> bool:
+        """
+        Whether to start a receive for ``available`` messages of credit (``asked``: messages
+        received and not yet yielded, or asked for by receives travelling): some credit, and not
+        a trickle that only the slowest watcher's queue holds below ``floor``.
+        """
+        if available <= 0:
+            return False
+        return available >= floor or self.gate.lag_credit() - asked >= floor
 
     async def _receive_failed(self, exc: BaseException, errors: ErrorStreak) -> None:
         """A failed receive: end the stream (a setting, or an outage past the streak), or wait and retry."""
@@ -614,10 +643,13 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         gate = self.gate
         return max(0, min(gate.credit() * self.batch_size - self._unbatched, gate.byte_credit()))
 
-    async def wait_for_credit(self) -> int:
-        """Wait until at least one message may be received; return how many may be."""
+    async def wait_for_credit(self, minimum: int = 1) -> int:
+        """
+        Wait until at least one message may be received; return how many may be (``minimum``:
+        see :meth:`FlowGate.wait_for_credit`, per-message mode only).
+        """
         if not self.batching:
-            return await self.gate.wait_for_credit()
+            return await self.gate.wait_for_credit(minimum)
         while True:
             await self.gate.wait_for_credit()
             available = self.credit()

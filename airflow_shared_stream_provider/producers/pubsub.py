@@ -103,8 +103,6 @@ _PUBLISH_BACKOFF: Final = Backoff(0.2)
 ATTEMPTS_MEMORY: Final = 100_000
 CLOSING_PULL_GRACE: Final = 0.5
 """Seconds past ``pull_timeout`` a closing producer waits for the pull still travelling (its leases)."""
-PULL_WAIT_POLL: Final = 0.01
-"""Seconds between credit checks while the watchers' backlog makes a pull not worth its call (see _pull_too_small)."""
 
 
 @dataclass(slots=True)
@@ -159,7 +157,7 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         self._barriers_waiting: set[str] = set()
         self._pulls_received = 0
         # The base's receive loop: one pull travelling, the next started while one is broadcast
-        # (none while the watchers' backlog makes a pull too small: _pull_too_small).
+        # (none for a trickle of credit while the watchers have a backlog: receive_floor).
         self.max_receive = settings.max_messages
         self.concurrent_receives = 1
         self._idle_wait = 0.0  # the pause before polling a server that answered empty at once
@@ -235,38 +233,6 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         if self._buffer.fatal is not None:
             raise self._buffer.fatal
 
-    def _pull_too_small(self, pending: int) -> bool:
-        """
-        Whether a pull now would be cut below ``min(max_messages, half a window)`` only because
-        the slowest watcher still has more than half a window queued (``pending``: messages
-        received and not yet yielded, which join that queue). Per-message mode only (in batch mode
-        the credit counts batches of messages).
-
-        Why: the gate's per-watcher window shrinks with the number of watchers (204 messages at
-        N=10, _core/flow.py), and with that lag as the bound the credit comes back one message at
-        a time as the slowest watcher pulls. Pulling whatever credit there is made ~8 messages a
-        ``Pull`` at N=10 against 77 at N=1 (stream_bench, 2,000 messages: 247 pulls against 26).
-        Waiting costs no watcher anything: the slowest still has half a window to work through.
-
-        How: :meth:`_admit` takes away the receive slot (``concurrent_receives = 0``) when the
-        pull the base would start ahead is too small, and :meth:`_before_receive` gives it back
-        once a pull is worth its call.
-        """
-        if self.batching:
-            return False
-        gate = self.gate
-        window = gate.window
-        return window - gate.lag() - pending < min(self.max_receive, window // 2)
-
-    async def _before_receive(self) -> None:
-        # No pull travelling and the watchers' backlog not yet down to where a pull is worth its
-        # call: wait for it. Polled (ASYNC110): the gate has no event for "credit grew", it wakes
-        # a waiting producer only when its credit is 0. It ends as the slowest watcher works
-        # through its queue (or leaves); a stalled watcher would block the credit anyway.
-        while not self._receives and self._pull_too_small(0):  # noqa: ASYNC110
-            await asyncio.sleep(PULL_WAIT_POLL)
-        self.concurrent_receives = 1
-
     def _receive(self, count: int) -> Awaitable[Received]:
         # Numbered when started, not when the task runs: _apply's key barriers cover every pull
         # started before a nack, including one whose task has not run yet.
@@ -285,9 +251,6 @@ class PubSubSharedStreamProducer(SharedStreamProducerBase[PubSubStreamSettings, 
         self._pull_received(received.number, received)
         if received:
             self._idle_wait = 0.0
-        # The base starts the next pull right after this (receive_ahead), for whatever credit
-        # there is; without a receive slot it is started after _before_receive's wait instead.
-        self.concurrent_receives = 0 if self._pull_too_small(len(received)) else 1
         return received
 
     async def _after_empty(self, received: list[Any]) -> None:

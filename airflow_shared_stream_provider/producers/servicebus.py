@@ -385,7 +385,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
             if self._requests:
                 await self._requests.run(receiver)
                 continue
-            if self.credit() <= 0:
+            if not self._worth_receiving(self.credit(), 0, self.receive_floor()):
                 await self._wait_for_credit_or_requests()
                 continue
             return
@@ -541,7 +541,7 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
 
     async def _wait_for_credit_or_requests(self) -> None:
         """Block until watchers give credit back, or a settlement / renewal is requested."""
-        await first_of((self.wait_for_credit(), self._requests.ready.wait()), None)
+        await first_of((self.wait_for_credit(self.receive_floor()), self._requests.ready.wait()), None)
 
     # -- lock renewal --------------------------------------------------------------------------
     @staticmethod

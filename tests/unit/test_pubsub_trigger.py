@@ -319,15 +319,14 @@ async def test_no_pull_for_a_trickle_of_credit_while_the_slowest_watcher_has_a_b
     """
     stream_bench, N=10: the slowest watcher's lag bounds the credit (a 204-message window) and
     frees it one message at a time; pulling whatever credit there was made 247 pulls of ~8
-    messages for 2,000 (26 at N=1). A pull now waits until it may ask for min(max_messages,
-    half a window): none is started ahead of the broadcast, and the next waits for the backlog.
+    messages for 2,000 (26 at N=1). The base's loop (receive_floor) now starts a pull only when
+    it may ask for min(max_messages, half a window): none ahead of the broadcast, and the next one
+    waits, without polling, until the slowest watcher has worked its backlog down.
     """
     import asyncio
     import uuid
 
     from airflow_shared_stream_provider._core.flow import gates
-    from airflow_shared_stream_provider._core.producer import Received
-    from airflow_shared_stream_provider.producers.pubsub_client import Pulled
 
     made = producer(subscription=f"projects/proj-a/subscriptions/pull-floor-{uuid.uuid4().hex[:8]}")
     started: list[int] = []
@@ -336,7 +335,7 @@ async def test_no_pull_for_a_trickle_of_credit_while_the_slowest_watcher_has_a_b
     try:
         for token in range(10):
             gate.register(token)
-        assert gate.window == 204
+        assert gate.window == 204 and made.receive_floor() == 100
         gate.hold_bytes(200)
         gate.release_bytes(200)  # small messages: the byte budget does not bound the credit
         assert gate.in_flight_limit == 51  # slow start's first round: 512 events / 10 watchers
@@ -348,20 +347,22 @@ async def test_no_pull_for_a_trickle_of_credit_while_the_slowest_watcher_has_a_b
         gate.consumed(9, 10)  # the slowest watcher has 190 messages queued: 14 of credit
         assert gate.lag() == 190 and made.credit() == 14
 
-        # A pull of 5 answers; the base starts the next one while these 5 are broadcast.
-        pulled = [Pulled(f"a{i}", f"m{i}", "", 0, {}, None, b"x") for i in range(5)]
-        await made._admit(Received(pulled, started=0.0, number=1))
-        made._receive_ahead(len(pulled))
+        # A pull of 5 answers; the base would start the next one while these 5 are broadcast.
+        made._receive_ahead(5)
         assert started == []  # before the fix: a pull of 9 messages
-        for _ in pulled:
+        for _ in range(5):
             gate.next_seq()  # broadcast: 195 queued for the slowest watcher
-        waiting = asyncio.ensure_future(made._before_receive())
+        waiting = asyncio.ensure_future(made._next_receives())  # nothing travelling: it waits
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and started == []
+        for token in range(9):
+            gate.consumed(token, 205)  # the fast watchers' progress does not wake it ...
         await asyncio.sleep(0.05)
         assert not waiting.done()
 
-        gate.consumed(9, 125)  # 80 queued: 124 of credit, worth a pull of 100
-        await asyncio.wait_for(waiting, 1.0)
-        made._receive_ahead(0)
+        gate.consumed(9, 125)  # ... the slowest one's does: 80 queued, 124 of credit, worth a pull of 100
+        assert await asyncio.wait_for(waiting, 1.0) == []
+        await made._next_receives()
         assert started == [100]
     finally:
         gates.release(made.stream_key, gate)
