@@ -645,6 +645,9 @@ class BrokerCheck:
     events_per_run_max: int
     publish_errors: int
     event_reads: dict[str, Any] = field(default_factory=dict)
+    # Per watcher, the first missing order ids (not explained by a pause) with their publish time:
+    # what to look for in the logs when ``lost`` is not 0.
+    lost_ids: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -681,6 +684,9 @@ def expected_per_watcher(
     return wanted, copies
 
 
+LOST_IDS_SHOWN: Final = 50
+
+
 def in_pause(moment: float, windows: Sequence[tuple[float, float]]) -> bool:
     return any(start <= moment <= end for start, end in windows)
 
@@ -695,6 +701,7 @@ def check_broker(
     delivered = delivered_per_watcher(topology, broker)
     paused_watcher = stream.watchers[0]
     lost: dict[str, int] = {}
+    lost_ids: dict[str, list[tuple[str, float]]] = {}
     missed_paused: dict[str, int] = {}
     for watcher, wanted in expected.items():
         got = delivered[watcher].first
@@ -703,6 +710,9 @@ def check_broker(
         explained = [order_id for order_id in missing if in_pause(wanted[order_id], windows)]
         missed_paused[watcher] = len(explained)
         lost[watcher] = len(missing) - len(explained)
+        unexplained = [order_id for order_id in missing if order_id not in explained]
+        if unexplained:
+            lost_ids[watcher] = [(order_id, wanted[order_id]) for order_id in unexplained[:LOST_IDS_SHOWN]]
     valid_ids = set(expected[stream.watcher_name("kafka_orders_valid")])
     rows = output_order_ids(topology.output_dir / broker)
     revenue_published = published_revenue(sent)
@@ -733,6 +743,7 @@ def check_broker(
         runs=runs,
         events_per_run_max=most_events,
         publish_errors=len(publisher.errors),
+        lost_ids=lost_ids,
     )
 
 
