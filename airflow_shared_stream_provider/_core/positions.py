@@ -147,6 +147,9 @@ class PositionMember:
     key: str
     stores: list[tuple[str, StateStore]]
     lookup: asyncio.Task[None] | None = None
+    # When it subscribed (wall clock, seconds): a watcher without a stored position receives
+    # every message written since then, whatever another stream committed meanwhile.
+    joined_at: float = field(default_factory=time.time)
     # What its state store held when it joined (None: nothing, or no state store at all), and
     # when that was read (:meth:`WatcherPositions.refresh` reads it again when it is old).
     stored: dict[str, int] | None = None

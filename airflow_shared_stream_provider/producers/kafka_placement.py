@@ -30,6 +30,9 @@ POSITION_LOOKUP_TIMEOUT = 10.0
 REWIND_DRAIN_TIMEOUT = 15.0
 # How often a lane's position is sampled for the late-join lookback (see lookback_start).
 POSITION_SAMPLE_INTERVAL = 1.0
+# Seconds before a watcher's subscription a stream forming reads from for it, when it has no stored
+# position (offsets_since): the clocks of the producers that stamp the records may lag ours.
+SUBSCRIBE_CLOCK_SLACK = 2.0
 # Stored positions read longer ago than this when the stream places its watchers are read again.
 POSITION_REREAD_AGE = 1.0
 
@@ -104,10 +107,22 @@ class WatcherPlacement:
             if fallback is not None and len(stored) < len(members):
                 start = min(start, fallback)  # a watcher without a position starts there
             consumer.seek(tp, start)
+        # Where a watcher without a stored position starts: the committed offset, but no later than
+        # where the partition was when it subscribed (see offsets_since).
+        unrecorded = [tp for tp in tps if len(usable[tp]) < len(members)]
+        joined = min((m.joined_at for m in members if not m.stored), default=time.time())
+        recent = await self.offsets_since(consumer, unrecorded, ends, since=joined - SUBSCRIBE_CLOCK_SLACK)
         for tp in tps:
             offset = await consumer.position(tp)  # resolves committed offset / auto.offset.reset
             stored = usable[tp]
-            default = committed[tp] if committed[tp] is not None else offset
+            known = committed[tp]
+            default: int = known if known is not None else offset
+            back = recent.get(tp)
+            if back is not None and back < default:
+                default = back
+            if tp in recent and default < offset:
+                consumer.seek(tp, default)
+                offset = default
             lane = Lane.placed(
                 next_epoch(),
                 offset,
@@ -177,6 +192,51 @@ class WatcherPlacement:
             self.lookback,
             unrecorded or "none",
         )
+
+    async def offsets_since(
+        self,
+        consumer: AIOKafkaConsumer,
+        tps: Sequence[TopicPartition],
+        ends: dict[TopicPartition, int],
+        *,
+        since: float,
+    ) -> dict[TopicPartition, int]:
+        """
+        Per partition of ``tps``, the first offset written at or after ``since`` (wall clock; the
+        end offset where nothing was): where a watcher without a stored position starts at the
+        latest when the stream forms, ``since`` being when it subscribed. The committed offset
+        alone is not enough: with ``position_store="watchers"`` every triggerer's stream commits
+        for its own watchers, so it can be past what a watcher subscribed on another triggerer
+        ever received. Found by the kafka-ha production run: triggerer B's stream formed 7 s
+        after A's, at the offsets A's stream had committed, and its two watchers, subscribed
+        before the first order, never got the 23 published in between (docs/production.md,
+        finding 10). A group's committed offsets from before the watcher subscribed (a
+        migration from the upstream provider) still hold: only what was written since is read
+        again. A broker that cannot answer by time leaves the committed offset (logged).
+        """
+        if not tps:
+            return {}
+        since_ms = int(since * 1000)
+        try:
+            found = await consumer.offsets_for_times(dict.fromkeys(tps, since_ms))
+        except Exception:
+            self.log.warning(
+                "Kafka shared stream %s: offsets by time failed; watchers without a stored position start "
+                "at the committed offset",
+                self.source_label,
+                exc_info=True,
+            )
+            return {}
+        recent: dict[TopicPartition, int] = {}
+        for tp in tps:
+            hit = found.get(tp)
+            # No record at or after the time: Kafka answers None, Tansu a timestamp of -1.
+            if hit is None or hit.timestamp < 0:
+                if tp in ends:
+                    recent[tp] = ends[tp]
+            else:
+                recent[tp] = hit.offset
+        return recent
 
     def sample_positions(self, now: float) -> None:
         """Note each lane's position if it moved (bounded: changes within the lookback, plus one)."""

@@ -21,7 +21,9 @@ import asyncio
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
 
+from airflow_shared_stream_provider.producers.kafka_placement import WatcherPlacement
 from devkit.runner import RunnerSim, wait_until
+from tests.integration.contract import wait_until_async
 
 from .conftest import KafkaAdapter
 from .test_watcher_positions import MemoryStateStore, expected_ids_published, offsets_of, publish_round, watcher
@@ -71,3 +73,55 @@ async def test_a_watcher_moved_before_its_first_position_write_loses_nothing(
         else:
             assert not lost, f"lost for the watcher that moved before its first position write: {lost}"
             assert max(offsets_of(y, 10).values()) == 1
+
+
+@pytest.mark.parametrize("old_rule", [False, True], ids=["subscribed-at", "committed-offset-negative-control"])
+async def test_a_stream_that_forms_after_another_triggerers_commits_loses_nothing(
+    adapter: KafkaAdapter, monkeypatch: pytest.MonkeyPatch, old_rule: bool
+) -> None:
+    """
+    docs/production.md, finding 10: triggerer A's stream forms and commits for its watcher; B's
+    stream forms seconds later for a watcher that subscribed before those messages and has no
+    stored position. It must not start at the offsets A's stream committed (they say nothing
+    about what B's watcher received) but where the partitions were when it subscribed (the
+    broker's time index). The negative control is the old rule: the committed offset.
+    """
+    if old_rule:
+
+        async def nothing_by_time(*_args: object, **_kwargs: object) -> dict[object, int]:
+            return {}
+
+        monkeypatch.setattr(WatcherPlacement, "offsets_since", nothing_by_time)
+    stores = {name: MemoryStateStore() for name in ("first", "second")}
+    async with (
+        RunnerSim(SharedStreamManager(), confirm_interval=0.05) as a,
+        RunnerSim(SharedStreamManager(), confirm_interval=0.05) as b,
+    ):
+        a.add(1, watcher(adapter, "first", stores["first"], **X_STREAM))
+        await asyncio.sleep(2.0)  # A's stream formed and placed
+        # B's watcher subscribes now, before the orders; its stream forms only 12 s later (a
+        # triggerer slow to form its cohort), when A's stream has committed them.
+        monkeypatch.setenv("AIRFLOW__SHARED_STREAM_PROVIDER__COHORT_SETTLE", "12")
+        b.add(2, watcher(adapter, "second", stores["second"], **Y_STREAM))
+        forms_at = asyncio.get_running_loop().time() + 12.0
+        await asyncio.sleep(0.5)
+        await publish_round(adapter, 4)
+        published = expected_ids_published(adapter)
+        await wait_until(lambda: published <= set(offsets_of(a, 1)), timeout=60, what="A's watcher has them")
+
+        async def committed_all() -> bool:
+            return sum((await adapter.committed()).values()) >= 12
+
+        await wait_until_async(committed_all, timeout=10)  # A's stream committed them, B still forming
+        assert not offsets_of(b, 2), "B's stream formed too early for this test"
+        await asyncio.sleep(max(0.0, forms_at - asyncio.get_running_loop().time()) + 2.0)  # B formed, placed
+        await publish_round(adapter, 1)
+        newest = {f"{adapter.topic}/{p}/4" for p in range(adapter.partitions)}
+        await wait_until(lambda: newest <= set(offsets_of(b, 2)), timeout=60, what="B's watcher has the newest")
+        await asyncio.sleep(1.0)
+        missed = sorted(published - set(offsets_of(b, 2)))
+        assert not a.failures and not b.failures
+    if old_rule:  # the committed offset, past everything A's watcher had
+        assert len(missed) == 12, missed
+    else:
+        assert not missed, f"B's watcher never got what A's stream had committed: {missed}"
