@@ -83,8 +83,9 @@ class WatcherPlacement:
 
     async def place_at_start(self, consumer: AIOKafkaConsumer) -> None:
         """
-        Start every lane at the lowest stored position of the watchers present (the committed
-        offset for a watcher without one), and give each watcher its threshold: it skips what is
+        Start every lane at the lowest stored position of the watchers present (for a watcher
+        without one: the committed offset, but no later than the first record written since it
+        subscribed, :meth:`offsets_since`), and give each watcher its threshold: it skips what is
         below its own position (it fired those already).
         """
         positions = self.positions
