@@ -389,6 +389,14 @@ class FlowGate:
         """What the slowest watcher's queue alone allows (its window less what it has queued)."""
         return self._window - self.lag()
 
+    def is_trickle(self, available: int, minimum: int, asked: int = 0) -> bool:
+        """
+        Whether ``available`` credit is a trickle: below ``minimum`` only because the slowest
+        watcher's queue holds it back (``asked``: credit already asked for by receives travelling
+        or taken by messages not yet yielded). See :meth:`wait_for_credit`.
+        """
+        return available < minimum and self.lag_credit() - asked < minimum
+
     async def wait_for_credit(self, minimum: int = 1) -> int:
         """
         Wait until at least one message may be yielded; return the available credit.
@@ -401,8 +409,7 @@ class FlowGate:
         """
         while True:
             available = self.credit()
-            short = available < minimum and self.lag_credit() < minimum
-            if available > 0 and not short:
+            if available > 0 and not self.is_trickle(available, minimum):
                 return available
             if self._wakeup is None:
                 self._wakeup = asyncio.Event()

@@ -434,9 +434,9 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         holds the credit back: ``min(max_receive, window / 2)`` (1 in batch mode, where the credit
         counts batches). That queue frees its room a message at a time as the watcher works
         through it; receiving each trickle made a broker call for a few messages (Pub/Sub at 10
-        watchers: 247 pulls of ~8 messages for 2,000, against 26 with one watcher; Redis and SQS
-        the same way). The slowest watcher has at least half a window queued meanwhile, so
-        waiting costs no watcher anything.
+        watchers: 247 pulls of ~8 messages for 2,000, against 26 with one watcher; Redis 0.145
+        calls a message at 10 watchers, 0.026 with this floor). The slowest watcher has at least
+        half a window queued meanwhile, so waiting costs no watcher anything.
         """
         if self.batching:
             return 1
@@ -448,9 +448,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         received and not yet yielded, or asked for by receives travelling): some credit, and not
         a trickle that only the slowest watcher's queue holds below ``floor``.
         """
-        if available <= 0:
-            return False
-        return available >= floor or self.gate.lag_credit() - asked >= floor
+        return available > 0 and not self.gate.is_trickle(available, floor, asked)
 
     async def _receive_failed(self, exc: BaseException, errors: ErrorStreak) -> None:
         """A failed receive: end the stream (a setting, or an outage past the streak), or wait and retry."""
