@@ -38,6 +38,7 @@ With ``filter_mode="thread"`` the decision itself runs off the loop too (see ``_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -133,14 +134,40 @@ class SharedStreamOptions(TypedDict, total=False):
     batch_timeout: float
 
 
+# The options every broker takes (``**options``), not a broker's own arguments.
+_COMMON_FIELDS: Final = frozenset(field.name for field in dataclasses.fields(StreamSettings))
+
+
+def settings_arguments(settings_class: type[StreamSettings], namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """
+    What a broker trigger's ``__init__`` passes on to :class:`SharedStreamTrigger`: from its
+    ``locals()``, the values of its settings' own fields (as the body may have normalised them)
+    and the common options of ``**options``.
+
+    Reading the settings' fields, not the signature, leaves out ``self``, ``__class__`` and the
+    body's own temporaries; ``tests/unit/test_settings_once.py`` holds every registry trigger's
+    parameters to exactly those fields, so none is dropped here.
+    """
+    common = _COMMON_FIELDS
+    arguments = {
+        field.name: namespace[field.name]
+        for field in dataclasses.fields(settings_class)
+        if field.name not in common and field.name in namespace
+    }
+    arguments.update(namespace.get("options", {}))
+    return arguments
+
+
 class SharedStreamTrigger(BaseEventTrigger):
     """
     Base class: holds the producer settings and the watcher's filter; implements the shared path.
 
     Subclasses set :attr:`settings_class` and :attr:`producer_class_path` and define a typed
     ``__init__`` taking their broker's own arguments plus ``**options:
-    Unpack[SharedStreamOptions]``, and pass everything on to this one: the arguments that are
-    fields of :attr:`settings_class` build the settings, the rest are the watcher's. Users may
+    Unpack[SharedStreamOptions]``, and pass everything on to this one with
+    ``super().__init__(**settings_arguments(self.settings_class, locals()))`` (each argument is
+    named once, in the signature): the arguments that are fields of :attr:`settings_class` build
+    the settings, the rest are the watcher's. Users may
     subclass a broker trigger and override :meth:`accept`, :meth:`make_event` or
     :meth:`make_batch_event`; the subclass serializes under its own class path and, having the same
     settings, shares the stream with its siblings.

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
-from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
+from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger, settings_arguments
 from airflow_shared_stream_provider.brokers import BrokerName
 
 PartialAssignmentPolicy = Literal["fail", "warn"]
@@ -159,16 +159,5 @@ class KafkaSharedStreamTrigger(SharedStreamTrigger):
     ) -> None:
         if isinstance(topics, str):
             raise SharedStreamConfigError(f"topics must be a list of topic names, got the string {topics!r}")
-        super().__init__(
-            topics=tuple(sorted(set(topics))),
-            kafka_config_id=kafka_config_id,
-            group_id=group_id,
-            dlq_topic=dlq_topic,
-            poll_timeout=poll_timeout,
-            max_batch_size=max_batch_size,
-            on_partial_assignment=on_partial_assignment,
-            partial_assignment_grace=partial_assignment_grace,
-            hold_backoff=hold_backoff,
-            position_store=position_store,
-            **options,
-        )
+        topics = tuple(sorted(set(topics)))  # one spelling per stream
+        super().__init__(**settings_arguments(self.settings_class, locals()))

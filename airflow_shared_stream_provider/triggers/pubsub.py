@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
-from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
+from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger, settings_arguments
 from airflow_shared_stream_provider.brokers import BrokerName
 
 DEFAULT_MAX_MESSAGES: Final = 100
@@ -223,14 +223,4 @@ class PubSubSharedStreamTrigger(SharedStreamTrigger):
         if dead_letter_topic is not None and isinstance(dead_letter_topic, str) and project is not None:
             topic_project, topic_name = split_topic(dead_letter_topic)
             dead_letter_topic = f"projects/{topic_project or project}/topics/{topic_name}"
-        super().__init__(
-            subscription=subscription,
-            project_id=project_id,
-            gcp_conn_id=gcp_conn_id,
-            dead_letter_topic=dead_letter_topic,
-            max_messages=max_messages,
-            pull_timeout=pull_timeout,
-            ack_deadline_seconds=ack_deadline_seconds,
-            ack_flush_interval=ack_flush_interval,
-            **options,
-        )
+        super().__init__(**settings_arguments(self.settings_class, locals()))

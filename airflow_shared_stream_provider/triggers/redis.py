@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
-from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
+from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger, settings_arguments
 from airflow_shared_stream_provider.brokers import BrokerName
 from airflow_shared_stream_provider.queues import SharedStreamQueueProvider, path_segments
 
@@ -157,21 +157,7 @@ class RedisSharedStreamTrigger(SharedStreamTrigger):
         hold_backoff: float = 1.0,
         **options: Unpack[SharedStreamOptions],
     ) -> None:
-        super().__init__(
-            stream=stream,
-            redis_conn_id=redis_conn_id,
-            group=group,
-            dead_letter_stream=dead_letter_stream,
-            dead_letter_maxlen=dead_letter_maxlen,
-            body_field=body_field,
-            create_group=create_group,
-            group_start_id=group_start_id,
-            claim_idle=claim_idle,
-            block=block,
-            read_count=read_count,
-            hold_backoff=hold_backoff,
-            **options,
-        )
+        super().__init__(**settings_arguments(self.settings_class, locals()))
 
 
 class RedisSharedStreamQueueProvider(SharedStreamQueueProvider):

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
-from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
+from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger, settings_arguments
 from airflow_shared_stream_provider.brokers import BrokerName
 
 DEFAULT_CONN_ID = "azure_service_bus_default"
@@ -226,17 +226,4 @@ class ServiceBusSharedStreamTrigger(SharedStreamTrigger):
         session_idle_timeout: float = DEFAULT_SESSION_IDLE_TIMEOUT,
         **options: Unpack[SharedStreamOptions],
     ) -> None:
-        super().__init__(
-            queue_name=queue_name,
-            topic_name=topic_name,
-            subscription_name=subscription_name,
-            azure_service_bus_conn_id=azure_service_bus_conn_id,
-            prefetch_count=prefetch_count,
-            max_message_count=max_message_count,
-            max_wait_time=max_wait_time,
-            renew_locks=renew_locks,
-            sessions=sessions,
-            max_concurrent_sessions=max_concurrent_sessions,
-            session_idle_timeout=session_idle_timeout,
-            **options,
-        )
+        super().__init__(**settings_arguments(self.settings_class, locals()))

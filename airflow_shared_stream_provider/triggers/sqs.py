@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
-from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger
+from airflow_shared_stream_provider._core.trigger import SharedStreamOptions, SharedStreamTrigger, settings_arguments
 from airflow_shared_stream_provider.brokers import BrokerName
 
 MAX_VISIBILITY_TIMEOUT: Final = 43_200  # SQS: 12 hours
@@ -214,15 +214,4 @@ class SqsSharedStreamTrigger(SharedStreamTrigger):
         reject_backoff: int = 300,
         **options: Unpack[SharedStreamOptions],
     ) -> None:
-        super().__init__(
-            queue_url=queue_url,
-            aws_conn_id=aws_conn_id,
-            region_name=region_name,
-            dlq_queue_url=dlq_queue_url,
-            wait_time_seconds=wait_time_seconds,
-            visibility_timeout=visibility_timeout,
-            concurrent_receives=concurrent_receives,
-            hold_backoff=hold_backoff,
-            reject_backoff=reject_backoff,
-            **options,
-        )
+        super().__init__(**settings_arguments(self.settings_class, locals()))
