@@ -63,7 +63,11 @@ most the budget plus one message; a message larger than the budget still flows, 
 message may always be in flight: an empty stream always has credit for one), and is then bounded by
 the broker's own maximum. Messages larger than the estimate overshoot by at most what one receive
 call brings. What an SDK buffers by count ahead of a receive (Service Bus ``prefetch_count``) is
-reserved at the estimate (:attr:`FlowGate.buffered_messages`), up to half the budget.
+reserved at the estimate (:attr:`FlowGate.buffered_messages`), up to half the budget. A client
+that holds a receive's messages several times while the call runs (:attr:`FlowGate.receive_copies`;
+Pub/Sub: gRPC's buffer, the parsed protobuf, our copy) has each of them counted that many times:
+a receive asks only for what fits the budget with its copies, and none while not one fits and
+something is held, so held bytes plus the receive's copies stay within the budget at its peak.
 
 A **shortfall** (queue brokers, _core/cohort.py "returning members"): the manager stops
 broadcasting to a watcher the moment it force-fails it, but the watcher leaves the gate only when
@@ -146,6 +150,9 @@ class FlowGate:
         self._size_estimate = 0
         self._size_seen = False
         self.buffered_messages = 0
+        # Bytes a receive costs while it runs, per byte it brings (1: only our copy). See
+        # byte_credit; set by the producer (SharedStreamProducerBase.receive_copies).
+        self.receive_copies = 1
         # Slow start: the in-flight limit while it ramps up (None: ramped up; -1: starts at the
         # first credit, once the cohort of watchers is known).
         self._ramp: int | None = None
@@ -261,7 +268,17 @@ class FlowGate:
             # messages (Pub/Sub hands out an ordering key's next messages only once the earlier
             # ones are acked, so a first pull of a few would leave the rest waiting a round).
             return max(MIN_START_IN_FLIGHT, remaining // estimate)
-        return max(1, remaining // estimate)
+        copies = self.receive_copies
+        if copies <= 1:
+            return max(1, remaining // estimate)
+        # A client that holds each message several times while a receive runs (its buffer, its
+        # parse, our copy): the receive's messages count that many times, so that what is held
+        # plus what the receive brings stays within the budget at its peak. None while even one
+        # does not fit (what is held leaves first), one when nothing is held (progress).
+        fits = remaining // (estimate * copies)
+        if fits > 0:
+            return fits
+        return 0 if held > 0 else 1
 
     @property
     def produced(self) -> int:

@@ -38,7 +38,9 @@ Optional (the default does nothing or the usual thing):
   batch is broadcast; ``_end_receives()``: what becomes of receives still travelling when the
   loop ends (default: cancelled).
 * ``lane_of`` / ``batch_lane_of`` if the broker has ordered lanes; ``sdk_buffered_messages``
-  (messages an SDK prefetches outside the credit).
+  (messages an SDK prefetches outside the credit); ``receive_copies`` (class attribute: how many
+  times a receive's messages are in memory at once while it runs, measured per client; the byte
+  budget counts a receive that many times, _core/flow.py).
 * The poison cap and returning watchers (class attributes, explained where declared):
   ``forgives_collateral_failures``, ``forgiveness_is_durable``, ``gives_back_missed_messages``;
   ``attempt_key(delivery)`` (the id a message keeps across deliveries) and
@@ -272,6 +274,10 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
     # The largest message the broker takes: the size the byte budget assumes for a stream's first
     # receive, before it has seen a message (_core/flow.py).
     max_message_bytes: ClassVar[int]
+    # How many copies of a receive's messages exist at its peak (the client's buffer and parse
+    # beside ours). 1: our copy only, the byte budget counts each message once and may overshoot
+    # by one. Above 1: a receive is sized so that held + copies x its bytes fits the budget.
+    receive_copies: ClassVar[int] = 1
     # Collateral failures (_core/attempts.py) are forgiven by the base from the broker's delivery
     # count. False for a broker that counts attempts itself and already counts only suspects
     # (Kafka: the culprit or the lowest failed offset of its partition, kafka_lanes).
@@ -587,6 +593,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
             gate.max_in_flight = -(-self.settings.max_in_flight // self.batch_size)
             gate.count_batches(self.settings.max_payload_bytes if self.batching else 0, self.batch_size)
             gate.max_in_flight_bytes = self.settings.max_in_flight_bytes
+            gate.receive_copies = self.receive_copies
             # An SDK that buffers by count ahead of a receive (Service Bus prefetch_count, per
             # session receiver) holds that many more messages outside our credit: reserved at the
             # size estimate.

@@ -95,6 +95,31 @@ async def test_a_backlog_of_large_messages_holds_the_budget_plus_at_most_one_mes
     assert not broker.dead_letters
 
 
+async def test_a_client_that_copies_each_receive_gets_receives_that_fit_with_their_copies(
+    broker: MemoryBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """
+    ``receive_copies`` (Pub/Sub: gRPC's buffer, the protobuf, our copy): a receive starts only when
+    what is held plus its messages, counted that many times, fits the budget, so what is held
+    peaks ``copies - 1`` messages below it; nothing is lost to the stricter rule.
+    """
+    monkeypatch.setattr(MemorySharedStreamProducer, "receive_copies", 3)
+    budget, size, count = 8 * MiB, MiB, 30
+    ids = publish_large(broker, count, size)
+    async with RunnerSim(SharedStreamManager()) as runner:
+        for trigger_id in (1, 2, 3):
+            runner.add(trigger_id, trigger(broker, max_in_flight_bytes=budget, oversize_policy="truncate"))
+        peak, _ = await drain(runner, broker, count)
+    assert not runner.failures
+    weight = held_weight(size)
+    # The last receive started with held + 3 x weight <= budget, and brought one message.
+    assert peak + 2 * weight <= budget
+    assert peak >= budget - 4 * weight  # and the budget was used, not starved
+    for trigger_id in (1, 2, 3):
+        assert sorted(fired_ids(runner, trigger_id)) == sorted(ids)
+    assert sorted(broker.committed) == sorted(ids)
+
+
 async def test_a_message_larger_than_the_budget_flows_alone(broker: MemoryBroker) -> None:
     budget, size, count = MiB, 2 * MiB, 5
     ids = publish_large(broker, count, size)
@@ -136,6 +161,24 @@ def test_byte_credit_counts_the_remaining_budget_at_the_size_estimate() -> None:
     gate.release_bytes(10 * MiB)
     gate.max_in_flight_bytes = MiB
     assert gate.byte_credit() == 1  # nothing held: one message always flows, however large
+
+
+def test_byte_credit_counts_each_receive_copies_times() -> None:
+    gate = FlowGate()
+    gate.max_in_flight_bytes = 10 * MiB
+    gate.receive_copies = 3
+    gate.hold_bytes(MiB)
+    assert gate.byte_credit() == 3  # 9 MiB left, each message of the receive counted 3 MiB
+    gate.hold_bytes(7 * MiB)
+    # 2 MiB left: not even one message with its copies; held messages leave first.
+    assert gate.byte_credit() == 0
+    assert gate.credit() == 0
+    gate.release_bytes(8 * MiB)
+    gate.max_in_flight_bytes = 2 * MiB
+    assert gate.byte_credit() == 1  # nothing held: one message always flows
+    gate.receive_copies = 1
+    gate.hold_bytes(MiB + MiB // 2)
+    assert gate.byte_credit() == 1  # one copy: a receive may start just below the budget, as before
 
 
 def test_before_the_first_message_the_broker_maximum_is_assumed() -> None:
