@@ -449,6 +449,28 @@ def run_times(topology: ProductionTopology, dag_id: str, first_task: str, last_t
     }
 
 
+def pipeline_task_times(topology: ProductionTopology, dag_id: str) -> dict[str, dict[str, Any]]:
+    """
+    Where a pipeline run's time goes, per task: ``wait`` (queued -> started: an executor slot
+    and the scheduler) and ``ran`` (started -> ended), each as :func:`summary` over every run.
+    """
+    rows = topology.env.query_db(
+        "SELECT task_id, queued_dttm, start_date, end_date FROM task_instance WHERE dag_id = ?", (dag_id,)
+    )
+    waits: dict[str, list[float]] = defaultdict(list)
+    runs: dict[str, list[float]] = defaultdict(list)
+    for task_id, queued, started, ended in rows:
+        queued_at, started_at, ended_at = to_epoch(queued), to_epoch(started), to_epoch(ended)
+        if queued_at is not None and started_at is not None:
+            waits[str(task_id)].append(started_at - queued_at)
+        if started_at is not None and ended_at is not None:
+            runs[str(task_id)].append(ended_at - started_at)
+    return {
+        task_id: {"wait": summary(waits.get(task_id, [])), "ran": summary(runs.get(task_id, []))}
+        for task_id in sorted(set(waits) | set(runs))
+    }
+
+
 def batch_id_for(run_id: str) -> str:
     """The pipeline's partition name of a run (example_dags/orders_spark.batch_id_for)."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
@@ -803,6 +825,7 @@ def latency(topology: ProductionTopology, broker: str, publisher: Publisher, sta
     }
     return {
         **hop_latency(hops, sent_at, started),
+        "pipeline_tasks": pipeline_task_times(topology, topology.streams[broker].spark_dag),
         "publish_to_event_per_watcher": per_watcher,
         "watchers": list(topology.watcher_roles(broker)),
     }
@@ -961,6 +984,10 @@ def render(result: Mapping[str, Any]) -> str:
             lines.append(f"| {broker} | {hop} | {s['n']} | {s['p50_ms']} | {s['p95_ms']} | {s['max_ms']} |")
         windows = ", ".join(f"{w}: {p}" for w, p in lat["written_p95_ms_per_window"].items())
         lines.append(f"| {broker} | publish_to_written p95 per window | | {windows} | | |")
+        for task_id, times in lat.get("pipeline_tasks", {}).items():
+            for part, t in times.items():
+                cells = f"{t['n']} | {t['p50_ms']} | {t['p95_ms']} | {t['max_ms']}"
+                lines.append(f"| {broker} | task {task_id} {part} | {cells} |")
     for asset, c in result.get("latency_pair", {}).items():
         lines.append(f"latency pair {asset}: {c}")
     lines.append("")
