@@ -133,6 +133,28 @@ def more_watchers(count: int) -> dict[str, WatcherRole]:
 HaMode = Literal["kafka-ha", "recipe"]
 
 
+CONSUMER_POOL: Final = "light_consumers"
+# A cluster policy (Airflow applies it to every task it parses): every task of a Dag that is not a
+# PySpark pipeline runs in CONSUMER_POOL. The pool must exist before such a task is scheduled.
+CONSUMER_POOL_POLICY: Final = f"""\
+# Written by devkit.production (consumer_pool_slots): the light consumer Dags share one pool.
+PIPELINE_SUFFIX = "_spark_pipeline"
+
+
+def task_policy(task):
+    if not task.dag_id.endswith(PIPELINE_SUFFIX):
+        task.pool = {CONSUMER_POOL!r}
+"""
+
+
+def write_consumer_pool_policy(airflow_home: Path) -> Path:
+    """Write :data:`CONSUMER_POOL_POLICY` to ``AIRFLOW_HOME/config/airflow_local_settings.py`` (on sys.path)."""
+    path = airflow_home / "config" / "airflow_local_settings.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(CONSUMER_POOL_POLICY)
+    return path
+
+
 def ha_mode_for(brokers: Sequence[str]) -> HaMode:
     """``kafka-ha`` when every broker tolerates a split stream (Kafka only), else ``recipe``."""
     return "recipe" if QUEUE_BROKERS.intersection(brokers) else "kafka-ha"
@@ -187,6 +209,13 @@ class ProductionTopology:
         long: 60 s keeps the chaos run's recovery short. ``[scheduler] orphaned_tasks_check_interval``
         (default 300 s) gets the same value: a scheduler started right after a killed one resets
         the killed one's tasks only at that check. ``[triggerer]`` stays at Airflow's defaults.
+    :param consumer_pool_slots: run the light consumer Dags' tasks (every Dag but the PySpark
+        pipelines) in a pool of this many slots (:data:`CONSUMER_POOL`, set by a cluster policy in
+        ``AIRFLOW_HOME/config/airflow_local_settings.py``; the example Dags stay as they are).
+        None: Airflow's ``default_pool`` for all. On one small machine the consumer Dags of many
+        watchers each run a task per stored event, back to back (each a process that loads
+        Airflow), and take the CPU the pipeline's Spark job needs; a pool is how one Airflow keeps
+        them from it (on a real deployment: another worker queue, docs/production.md).
     """
 
     brokers: Sequence[str]
@@ -203,6 +232,7 @@ class ProductionTopology:
     task_heartbeat_timeout: int = 60
     ha: HaMode | None = None
     kafka_storage: Literal["memory", "s3"] = "memory"
+    consumer_pool_slots: int | None = None
 
     streams: dict[str, DemoStream[Any]] = field(default_factory=dict, init=False)
     postgres: PostgresServer | None = field(default=None, init=False)
@@ -222,6 +252,8 @@ class ProductionTopology:
         more_watchers(self.more_watchers)  # in range, else one clear error
         if self.more_watchers and ("kafka" not in self.brokers or not self.pipeline):
             raise ValueError("more_watchers join the example Kafka stream: only with kafka and the pipeline")
+        if self.consumer_pool_slots is not None and self.consumer_pool_slots < 1:
+            raise ValueError(f"consumer_pool_slots must be at least 1, got {self.consumer_pool_slots}")
 
     # -- what runs --------------------------------------------------------------------------------
     @property
@@ -357,8 +389,22 @@ class ProductionTopology:
             sql_alchemy_conn=self.postgres.url,
             startup_timeout=self.startup_timeout,
         )
+        if self.consumer_pool_slots is not None:
+            write_consumer_pool_policy(self._env.airflow_home)
         self._env.start()
         say(f"  Airflow: {self._env.login_hint()}")
+        if self.consumer_pool_slots is not None:
+            self._env.api(
+                "POST",
+                "/api/v2/pools",
+                json={
+                    "name": CONSUMER_POOL,
+                    "slots": self.consumer_pool_slots,
+                    "description": "the light consumer Dags (devkit.production, consumer_pool_slots)",
+                    "include_deferred": False,
+                },
+            )
+            say(f"  pool {CONSUMER_POOL}: {self.consumer_pool_slots} slot(s) for the light consumer Dags")
         second_args = ("--queues", STANDBY_QUEUE) if self.ha_mode == "recipe" else ()
         # The second triggerer takes what the first leaves (kafka-ha) or nothing but deferred
         # tasks (recipe): its capacity is Airflow's default either way.
@@ -384,6 +430,7 @@ class ProductionTopology:
             more_watchers=args.more_watchers,
             ha=args.ha,
             kafka_storage=args.kafka_storage,
+            consumer_pool_slots=args.consumer_pool_slots,
         )
 
     def stop(self) -> None:
@@ -434,6 +481,12 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ha", choices=("kafka-ha", "recipe"), default=None, help="how the two triggerers share watchers"
+    )
+    parser.add_argument(
+        "--consumer-pool-slots",
+        type=int,
+        default=None,
+        help="run the light consumer Dags' tasks in a pool of this many slots (default: Airflow's default_pool)",
     )
     parser.add_argument(
         "--kafka-storage",
