@@ -126,6 +126,36 @@ class Accessor:
         return found[: self.limit_value] if self.limit_value else found
 
 
+def test_triggering_events_the_catch_up_covered_are_not_processed_twice() -> None:
+    """
+    A run's triggering events were stored before its catch-up read: those stamped since the
+    read's start are in it already (or were written by the last successful run and skipped), so
+    only older ones (none in practice) are taken from the triggering events.
+    """
+    from order_events import unique_envelopes
+    from orders_spark import CATCH_UP_MARGIN, covered_since, events_to_process, order_rows
+
+    source = "orders_valid"
+    mark = datetime(2026, 11, 27, 1, 0, tzinfo=timezone.utc)
+    covered = covered_since(mark)
+    assert covered == mark - CATCH_UP_MARGIN
+    written = StoredEvent(
+        1, mark - timedelta(seconds=5), {"from_trigger": True, "payload": envelope("t/0/1", "eu", 10)}
+    )
+    new = StoredEvent(2, mark + timedelta(seconds=5), {"from_trigger": True, "payload": envelope("t/0/2", "us", 20)})
+    older = StoredEvent(
+        3, covered - timedelta(seconds=1), {"from_trigger": True, "payload": envelope("t/0/3", "eu", 5)}
+    )
+    # The catch-up left out event 1 (the last run wrote it); the triggering events hold 1, 2 and 3.
+    events = events_to_process(source, {source: [written, new, older]}, [new], covered)
+    assert sorted(row["message_id"] for row in order_rows(unique_envelopes(events))) == ["t/0/2", "t/0/3"]
+    # Before any mark the catch-up read the whole history: no triggering event is needed.
+    assert covered_since(None) < older.timestamp
+    assert events_to_process(source, {source: [written, new]}, [new], covered_since(None)) == {source: [new]}
+    # Without an inlet accessor (covered None) every triggering event is processed.
+    assert events_to_process(source, {source: [written]}, [], None) == {source: [written]}
+
+
 def test_the_catch_up_reads_from_the_previous_success_minus_the_margin() -> None:
     from orders_spark import CATCH_UP_MARGIN, events_since
 
@@ -243,6 +273,7 @@ def test_the_mark_moves_only_after_the_batch_is_written_or_empty() -> None:
     assert record.trigger_rule == "none_failed"
     has_orders = dag.get_task("has_orders")
     assert has_orders.downstream_task_ids == {"aggregate"}
+    assert has_orders.upstream_task_ids == {"extract"}  # it reads extract's count, not its rows
     # skips aggregate only, not record_progress
     assert getattr(has_orders, "ignore_downstream_trigger_rules", None) is False
 
