@@ -284,10 +284,23 @@ def events_to_process(
     processed by the next run whatever created it.
     """
     events: dict[Any, list[Any]] = {key: list(value) for key, value in (triggering_asset_events or {}).items()}
-    if covered_since is not None and source in events:
-        events[source] = [event for event in events[source] if _aware(event.timestamp) < covered_since]
+    if covered_since is not None:
+        for key, triggering in events.items():
+            if _same_asset(key, source):
+                events[key] = [event for event in triggering if _aware(event.timestamp) < covered_since]
     events.setdefault(source, []).extend(caught_up)
     return events
+
+
+def _same_asset(key: Any, source: Any) -> bool:
+    """
+    Whether a ``triggering_asset_events`` key is ``source``: Airflow's accessor hands out a new
+    ``Asset(name, uri)`` per key, which is not equal to the Dag's own (its extra, its watchers).
+    """
+    if key == source:
+        return True
+    name = getattr(source, "name", None)
+    return name is not None and (getattr(key, "name", None), getattr(key, "uri", None)) == (name, source.uri)
 
 
 def covered_since(previous_success_start: datetime | None) -> datetime:

@@ -156,6 +156,25 @@ def test_triggering_events_the_catch_up_covered_are_not_processed_twice() -> Non
     assert events_to_process(source, {source: [written]}, [], None) == {source: [written]}
 
 
+def test_the_triggering_events_are_matched_to_the_source_by_name_and_uri() -> None:
+    """
+    Airflow's ``triggering_asset_events`` yields a new ``Asset(name, uri)`` per key, not equal to
+    the Dag's source (which has an extra, watchers): matched by name and URI all the same.
+    """
+    from airflow.sdk import Asset
+    from orders_spark import covered_since, events_to_process
+
+    source = Asset("orders_valid", extra={"stream": "kafka"})
+    key = Asset(name=source.name, uri=source.uri)
+    other = Asset("orders_eu")
+    assert key != source
+    mark = datetime(2026, 11, 27, 1, 0, tzinfo=timezone.utc)
+    covered = StoredEvent(1, mark)
+    events = events_to_process(source, {key: [covered], other: [covered]}, [], covered_since(mark))
+    assert events[key] == []  # covered by the catch-up read
+    assert events[other] == [covered]  # another asset's events are left as they are
+
+
 def test_the_catch_up_reads_from_the_previous_success_minus_the_margin() -> None:
     from orders_spark import CATCH_UP_MARGIN, events_since
 
