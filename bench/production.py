@@ -69,7 +69,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from types import FrameType
 from typing import Any, Final
 
 from devkit.demo import (
@@ -87,6 +86,7 @@ from devkit.production import (
     ProductionTopology,
     WatcherRole,
     add_topology_arguments,
+    interrupt_on_sigterm,
     pair_dag,
 )
 
@@ -1000,15 +1000,10 @@ def render(result: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    # As Ctrl-C: run()'s finally stops the topology. Without it a `kill` of the bench left
-    # Airflow, PostgreSQL, the broker and Spark running (found stopping a check run by hand).
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    # run()'s finally stops the topology; without this a `kill` of the bench left it running.
+    interrupt_on_sigterm()
     started = datetime.now(timezone.utc)
     result = run(args, say=lambda line: print(line, flush=True))
     out = args.out or RESULTS / f"production-{started:%Y-%m-%d-%H%M}-{args.brokers.replace(',', '-')}.json"
