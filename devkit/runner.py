@@ -96,6 +96,12 @@ class RunnerSim:
     on_persist: Callable[[int, TriggerEvent], None] | None = None
     # Trigger ids whose events are never persisted (a watcher stuck behind a broken DB write).
     withhold: set[int] = field(default_factory=set)
+    # Trigger ids whose trigger row is gone (its Dag was paused: the dag-processor dropped the
+    # asset's reference and the triggerer deleted the row, but has not cancelled it yet). Airflow
+    # 3.3's ``Trigger.submit_event`` stores their events for no asset and raises nothing, so they
+    # are confirmed persisted and kept nowhere; counted in ``dropped``.
+    deleted: set[int] = field(default_factory=set)
+    dropped: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     # Seconds after which a failed trigger is created again from its ``serialize()``, as the
     # triggerer does with a failed asset watcher (None: it stays failed).
     recreate_failed: float | None = None
@@ -120,6 +126,7 @@ class RunnerSim:
         if key is None:
             raise ValueError("RunnerSim drives shared-stream triggers only")
         self._keys[trigger_id] = key
+        trigger.trigger_id = trigger_id  # as the triggerer's runner does before running it
         self._tasks[trigger_id] = asyncio.create_task(self._run_trigger(trigger_id, trigger, key))
 
     async def _run_trigger(self, trigger_id: int, trigger: BaseEventTrigger, key: Hashable) -> None:
@@ -189,9 +196,12 @@ class RunnerSim:
         self.pending = [item for item in self.pending if not chosen(item)]
         seqs = []
         for item in batch:
-            self.persisted[item.trigger_id].append(item.event.payload)
-            if self.on_persist is not None:
-                self.on_persist(item.trigger_id, item.event)
+            if item.trigger_id in self.deleted:
+                self.dropped[item.trigger_id] += 1
+            else:
+                self.persisted[item.trigger_id].append(item.event.payload)
+                if self.on_persist is not None:
+                    self.on_persist(item.trigger_id, item.event)
             if item.seq is not None:
                 seqs.append(item.seq)
         if seqs:

@@ -35,6 +35,18 @@ the whole unconfirmed backlog behind (found by the production chaos run: a super
 0 and replayed everything). Departed members are followed for at most :data:`DEPARTED_TRACKING`
 seconds, until their position cannot improve, or until the same watcher joins again here.
 
+A watcher that comes back **re-created** (a trigger id other than the one that wrote its record)
+does not trust that position: it starts from the one it had ``late_join_lookback`` seconds before
+it left (``before_leave`` in the record). Why: Airflow cancels a watcher whose Dag was paused (or
+whose watcher was removed) only after the dag-processor dropped the asset's reference to its
+trigger and the triggerer deleted the trigger row; events the watcher fired meanwhile are "stored"
+by ``Trigger.submit_event`` for no asset at all (a deleted trigger, or one without assets, is
+skipped without an error) and still confirmed persisted, so the position passed messages whose
+events exist nowhere. A trigger row, once deleted, never comes back: the watcher returns (Dag
+unpaused) as a new trigger with a new id. A watcher that only *moved* (another triggerer, a
+graceful restart) keeps its trigger id and its exact position. Found by CI's production chaos run:
+a Dag paused while its watcher worked off a backlog after a broker restart lost 14 orders.
+
 Why in ``_core`` although Kafka is its only broker today: the core itself uses it (every watcher
 joins it in :mod:`.trigger`, keyed by :func:`position_key` of its settings' ``position_scope()``,
 a :class:`.settings.StreamSettings` hook that is None for a broker that keeps no
@@ -57,6 +69,7 @@ import itertools
 import logging
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -111,11 +124,7 @@ def position_key(scope: Hashable, identity: str) -> str:
     return f"shared-stream-position/{scope_digest}/{identity_digest}"
 
 
-def parse_record(record: Any) -> dict[str, int] | None:
-    """``{lane label: position}`` from a stored record; None for a missing or unreadable one."""
-    if not isinstance(record, Mapping) or record.get("v") != RECORD_VERSION:
-        return None
-    positions = record.get("positions")
+def _parse_positions(positions: Any) -> dict[str, int] | None:
     if not isinstance(positions, Mapping):
         return None
     parsed: dict[str, int] = {}
@@ -123,6 +132,33 @@ def parse_record(record: Any) -> dict[str, int] | None:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             parsed[str(label)] = value
     return parsed
+
+
+def recreated(record: Any, trigger_id: int | None) -> bool:
+    """Whether ``record`` was left by another trigger of the same watcher that left by cancellation."""
+    if trigger_id is None or not isinstance(record, Mapping) or "before_leave" not in record:
+        return False
+    writer = record.get("trigger")
+    return isinstance(writer, int) and not isinstance(writer, bool) and writer != trigger_id
+
+
+def parse_record(record: Any, *, trigger_id: int | None = None) -> dict[str, int] | None:
+    """
+    ``{lane label: position}`` from a stored record for the watcher with ``trigger_id``; None for
+    a missing or unreadable one, and for a re-created watcher whose previous trigger left without
+    a position from before it left (it starts as a watcher without one).
+
+    A record written by another trigger id that carries ``before_leave`` gives that: the watcher
+    was re-created (see the module docstring). Without ``before_leave`` (a record of an older
+    version of this provider, or of a watcher that did not leave by cancellation: a crash, a
+    failure) the positions are taken as they are; so is any record when either id is unknown.
+    """
+    if not isinstance(record, Mapping) or record.get("v") != RECORD_VERSION:
+        return None
+    if recreated(record, trigger_id):
+        before_leave = _parse_positions(record.get("before_leave"))
+        return before_leave or None
+    return _parse_positions(record.get("positions"))
 
 
 def _cancelled() -> bool:
@@ -146,6 +182,8 @@ class PositionMember:
     identity: str
     key: str
     stores: list[tuple[str, StateStore]]
+    # The Airflow trigger id of this watcher (None: not run by a triggerer, e.g. a test runner).
+    trigger_id: int | None = None
     lookup: asyncio.Task[None] | None = None
     # When it subscribed (wall clock, seconds): a watcher without a stored position receives
     # every message written since then, whatever another stream committed meanwhile.
@@ -161,6 +199,30 @@ class PositionMember:
     # Departed members only: until when they are followed, and their write at leave.
     departed_until: float | None = None
     farewell: asyncio.Task[None] | None = None
+    # (clock, positions) each time they changed, within ``recreated_lookback`` plus the last one
+    # before it: where the member was a while ago (``before_leave``, see the module docstring).
+    history: deque[tuple[float, dict[str, int]]] = field(default_factory=deque)
+    # Set when it leaves by cancellation: written with every later record of it ({}: it had no
+    # position that long ago; a re-created watcher then starts as one without a position).
+    before_leave: dict[str, int] | None = None
+
+    def note(self, now: float, positions: dict[str, int], keep: float) -> None:
+        """Remember ``positions`` as of ``now`` (bounded: changes within ``keep`` seconds, plus one)."""
+        history = self.history
+        if not history or history[-1][1] != positions:
+            history.append((now, dict(positions)))
+        while len(history) >= 2 and history[1][0] <= now - keep:
+            history.popleft()
+
+    def positions_before(self, moment: float) -> dict[str, int]:
+        """
+        Its positions as of ``moment``: the last noted at or before it, else what its record held
+        when it joined (nothing confirmed since then is in it), else none ({}).
+        """
+        older = [positions for noted_at, positions in self.history if noted_at <= moment]
+        if older:
+            return dict(older[-1])
+        return dict(self.stored) if self.stored else {}
 
     @property
     def looked_up(self) -> bool:
@@ -185,6 +247,8 @@ class WatcherPositions:
     """The watchers of one stream in this process and their stored positions (per :class:`FlowGate`)."""
 
     clock: Callable[[], float] = time.monotonic
+    # How far before it left a re-created watcher starts (late_join_lookback; see the module docstring).
+    recreated_lookback: float = DEFAULT_LATE_JOIN_LOOKBACK
     members: dict[int, PositionMember] = field(default_factory=dict)
     # Members that joined and are not placed yet, in join order (the producer places them).
     unplaced: list[int] = field(default_factory=list)
@@ -199,15 +263,18 @@ class WatcherPositions:
     _last_departed_write: float = 0.0
 
     # -- watcher side --------------------------------------------------------------------------
-    def join(self, identity: str, key: str, stores: list[tuple[str, StateStore]]) -> int:
+    def join(
+        self, identity: str, key: str, stores: list[tuple[str, StateStore]], *, trigger_id: int | None = None
+    ) -> int:
         """
         A watcher subscribed (call before its first await); its positions are read in the
         background. Returns its member number (what :attr:`StreamMessage.skip_for` holds).
+        ``trigger_id``: its Airflow trigger id (a re-created watcher is told by it).
         """
         number = next(_member_numbers)
         for gone in [m for m in self.departed.values() if m.key == key]:
             self._forget(gone)  # the same watcher is back: its own writes take over
-        member = PositionMember(number, identity, key, stores)
+        member = PositionMember(number, identity, key, stores, trigger_id=trigger_id)
         self.members[number] = member
         self.unplaced.append(number)
         if stores:
@@ -230,11 +297,15 @@ class WatcherPositions:
             if task is not None and not task.done():
                 task.cancel()
         if member.placed and member.stores and self.positions_of is not None:
-            if self.departures is not None and _cancelled() and self.departures.depart(member):
+            cancelled = _cancelled()
+            if cancelled:
+                # Before anything confirmed in the syncs that cancelled it (see the module docstring).
+                member.before_leave = member.positions_before(self.clock() - self.recreated_lookback)
+            if self.departures is not None and cancelled and self.departures.depart(member):
                 member.departed_until = self.clock() + DEPARTED_TRACKING
                 self.departed[number] = member
             positions = self.positions_of(member)
-            if positions and positions != member.written:
+            if positions and (positions != member.written or member.before_leave is not None):
                 task = asyncio.ensure_future(self._write([(member, positions)]))
                 member.farewell = task
                 self._farewells.add(task)
@@ -249,7 +320,17 @@ class WatcherPositions:
         # Unreadable: a lost position costs duplicates (the group offset is the fallback). Read
         # again: an unreadable record keeps what the first read found.
         _, store = member.stores[0]
-        stored = parse_record(await read_quietly(store, member.key, f"the positions {member.key} of {member.identity}"))
+        record = await read_quietly(store, member.key, f"the positions {member.key} of {member.identity}")
+        stored = parse_record(record, trigger_id=member.trigger_id)
+        if not again and recreated(record, member.trigger_id):
+            log.info(
+                "Watcher %s comes back as trigger %s (its positions were stored by trigger %s, which Airflow "
+                "deleted): it starts where it was late_join_lookback seconds before it left, %s",
+                member.identity,
+                member.trigger_id,
+                record.get("trigger"),
+                stored or "without a position",
+            )
         if stored is not None or not again:
             member.stored = stored
         member.read_at = self.clock()
@@ -319,6 +400,8 @@ class WatcherPositions:
             if not member.placed or not member.stores:
                 continue
             positions = positions_of(member)
+            if positions:
+                member.note(now, positions, self.recreated_lookback)
             if positions and positions != member.written:
                 updates.append((member, positions))
         for member in list(self.departed.values()):
@@ -339,7 +422,11 @@ class WatcherPositions:
         await asyncio.gather(*(self._write_one(member, positions) for member, positions in updates))
 
     async def _write_one(self, member: PositionMember, positions: dict[str, int]) -> None:
-        record = {"v": RECORD_VERSION, "positions": positions}
+        record: dict[str, Any] = {"v": RECORD_VERSION, "positions": positions}
+        if member.trigger_id is not None:
+            record["trigger"] = member.trigger_id
+        if member.before_leave is not None:
+            record["before_leave"] = member.before_leave
         _, store = member.stores[0]  # where _read looks (the first of its assets, by name)
         if await write_quietly(store, member.key, record, f"the positions {member.key} of {member.identity}"):
             member.written = positions

@@ -280,7 +280,11 @@ class SharedStreamTrigger(BaseEventTrigger):
         gate.cohort.join(token, identity, stores if cohort_record_enabled() else [], record_key(key))
         scope = self.settings.position_scope()
         # -1: no position kept, never in a message's skip_for.
-        member = gate.positions.join(identity, position_key(scope, identity), stores) if scope is not None else -1
+        member = (
+            gate.positions.join(identity, position_key(scope, identity), stores, trigger_id=self.trigger_id)
+            if scope is not None
+            else -1
+        )
         # What this watcher stands on: the suspect if the manager force-fails it (the except below).
         standing_on: StreamMessage | MessageBatch | None = None
         force_failed = False

@@ -473,6 +473,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
         write_interval = position_interval()
         placement: WatcherPlacement | None = None
         if keep_positions:
+            lookback = positions.recreated_lookback = late_join_lookback()
             placement = self._placement = WatcherPlacement(
                 lanes=self._lanes,
                 positions=positions,
@@ -480,7 +481,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 log=self.log,
                 source_label=self.source_label(),
                 in_flight=lambda: self._in_flight,
-                lookback=late_join_lookback(),
+                lookback=lookback,
                 batching=self.batching,
             )
             # Client calls on this task: a cancellation one loses still ends it (see _core/tasks.py).

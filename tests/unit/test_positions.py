@@ -79,3 +79,57 @@ async def test_a_watcher_without_a_state_store_is_placeable_at_once_and_never_wr
     member.placed = True
     positions.schedule_write(lambda m: {"t/0": 1})
     assert positions._writer is None
+
+
+@pytest.mark.parametrize(
+    ("reader", "parsed"),
+    [
+        (7, {"t/0": 50}),  # the trigger that wrote it (a moved watcher): its exact position
+        (None, {"t/0": 50}),  # not run by a triggerer: no id to compare
+        (8, {"t/0": 20}),  # re-created (its old row was deleted): the position from before it left
+    ],
+)
+def test_a_re_created_watcher_reads_the_position_it_had_before_it_left(
+    reader: int | None, parsed: dict[str, int]
+) -> None:
+    record = {"v": 1, "positions": {"t/0": 50}, "trigger": 7, "before_leave": {"t/0": 20}}
+    assert parse_record(record, trigger_id=reader) == parsed
+
+
+def test_a_re_created_watcher_without_an_old_enough_position_starts_as_one_without_a_position() -> None:
+    assert parse_record({"v": 1, "positions": {"t/0": 50}, "trigger": 7, "before_leave": {}}, trigger_id=8) is None
+    # A record without before_leave (a crash, a failure, an older provider): taken as it is.
+    assert parse_record({"v": 1, "positions": {"t/0": 50}, "trigger": 7}, trigger_id=8) == {"t/0": 50}
+
+
+async def test_a_cancelled_watcher_writes_where_it_was_a_lookback_before_it_left() -> None:
+    now = [1000.0]
+    positions = WatcherPositions(clock=lambda: now[0], recreated_lookback=30.0)
+    store = Store()
+    number = positions.join("a#1", "k", [("a", store)], trigger_id=7)
+    await positions.wait_lookups(timeout=1)
+    [member] = positions.take_placeable()
+    member.placed = True
+    lane = {"t/0": 10}
+    positions.positions_of = lambda m: dict(lane)
+    for position in (10, 20, 30, 40):  # one periodic write every 10 s
+        lane["t/0"] = position
+        positions.schedule_write(positions.positions_of)
+        now[0] += 10.0
+    lane["t/0"] = 50  # confirmed in the syncs that cancel it: maybe stored for no asset
+
+    async def cancelled_watcher() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            positions.leave(number)
+
+    task = asyncio.create_task(cancelled_watcher())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(5):
+        await asyncio.sleep(0)
+    # Left at 1040: 30 s before it, at 1010, it was at 20.
+    assert store.values["k"] == {"v": 1, "positions": {"t/0": 50}, "trigger": 7, "before_leave": {"t/0": 20}}
