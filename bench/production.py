@@ -32,7 +32,8 @@ What happens:
 * **the end** (after ``--drain-timeout`` at most): for each broker,
 
   * every watcher has an asset event for every message it must fire on (lost 0 per watcher), except
-    what its Dag's pause window explains: counted apart as ``missed_while_paused``;
+    what its Dag's pause explains (:func:`explained_by_pause`): counted apart as
+    ``missed_while_paused``;
   * the output table ``order_lines`` holds every valid order **exactly once** (0 missing, 0 twice,
     keyed on ``order_id``), and the revenue per region and minute equals what was published, to
     the cent;
@@ -714,6 +715,25 @@ def in_pause(moment: float, windows: Sequence[tuple[float, float]]) -> bool:
     return any(start <= moment <= end for start, end in windows)
 
 
+def explained_by_pause(
+    published_at: float, siblings_first_event: float | None, windows: Sequence[tuple[float, float]], *, replays: bool
+) -> bool:
+    """
+    Whether the paused watcher's miss of one message is its Dag's pause (not a loss): the message
+    was published during a pause, or (a broker that cannot replay what it settled, ``replays``
+    False) its siblings' first event for it came after a pause began. Airflow 3.3 drops the
+    watcher's trigger at the next parse after the pause and cancels it a loop later; an event the
+    watcher fires in between is stored for no asset (docs/production.md, finding 11), and a queue
+    broker settled the message for its siblings. Kafka replays those for a watcher that comes back
+    re-created, so there only the publish window explains a miss.
+    """
+    if in_pause(published_at, windows):
+        return True
+    if replays or siblings_first_event is None:
+        return False
+    return any(siblings_first_event >= start for start, _ in windows)
+
+
 def check_broker(
     topology: ProductionTopology, broker: str, publisher: Publisher, pauses: Sequence[tuple[float, float]]
 ) -> BrokerCheck:
@@ -726,11 +746,20 @@ def check_broker(
     lost: dict[str, int] = {}
     lost_ids: dict[str, list[tuple[str, float]]] = {}
     missed_paused: dict[str, int] = {}
+    siblings_first: dict[str, float] = {}
+    for watcher, seen in delivered.items():
+        if watcher != paused_watcher:
+            for order_id, stamp in seen.first.items():
+                siblings_first[order_id] = min(stamp, siblings_first.get(order_id, stamp))
     for watcher, wanted in expected.items():
         got = delivered[watcher].first
         missing = [order_id for order_id in wanted if order_id not in got]
         windows = pauses if watcher == paused_watcher else ()
-        explained = [order_id for order_id in missing if in_pause(wanted[order_id], windows)]
+        explained = [
+            order_id
+            for order_id in missing
+            if explained_by_pause(wanted[order_id], siblings_first.get(order_id), windows, replays=broker == "kafka")
+        ]
         missed_paused[watcher] = len(explained)
         lost[watcher] = len(missing) - len(explained)
         unexplained = [order_id for order_id in missing if order_id not in explained]
