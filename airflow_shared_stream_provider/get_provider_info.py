@@ -138,7 +138,9 @@ def get_provider_info() -> dict[str, Any]:
                             "ago.\n"
                             "Such a watcher may be one whose triggerer died before its first position write, with\n"
                             "messages received and not persisted; starting at the read end lost those. A brand-new\n"
-                            "watcher may fire for up to this much history. 0: start at the read end.\n"
+                            "watcher may fire for up to this much history. 0: start at the read end. Also how far\n"
+                            "before it left a watcher starts that comes back as a new trigger (its Dag paused and\n"
+                            "unpaused: Airflow stores the events it fired after dropping its trigger for no asset).\n"
                         ),
                         "version_added": "0.1.0",
                         "type": "float",
