@@ -70,15 +70,17 @@ import logging
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 from airflow_shared_stream_provider._core.cohort import CONFIG_SECTION
 from airflow_shared_stream_provider._core.state_store import StateStore, read_quietly, write_quietly
 from airflow_shared_stream_provider._core.tasks import wait_for
 
 log = logging.getLogger(__name__)
+
+V = TypeVar("V")
 
 # Member numbers are unique for the life of the process (``id()`` of a trigger can be reused by a
 # later one, which would then inherit a departed watcher's thresholds and skip its messages).
@@ -175,6 +177,32 @@ def _cancelled() -> bool:
 
 
 @dataclass
+class RecentValues(Generic[V]):
+    """
+    A value over time: ``(clock, value)`` at each change within the last ``keep`` seconds, plus the
+    last one before them, so that :meth:`as_of` answers for any moment in that span (bounded: one
+    entry per change). Used for a watcher's positions here and for a Kafka lane's position
+    (``producers/kafka_placement.py``, the late-join lookback).
+    """
+
+    entries: deque[tuple[float, V]] = field(default_factory=deque)
+
+    def note(self, now: float, value: V, keep: float) -> None:
+        entries = self.entries
+        if not entries or entries[-1][1] != value:
+            entries.append((now, value))
+        while len(entries) >= 2 and entries[1][0] <= now - keep:
+            entries.popleft()
+
+    def as_of(self, moment: float) -> V | None:
+        """The value noted last at or before ``moment`` (None: nothing that old)."""
+        return next((value for noted_at, value in reversed(self.entries) if noted_at <= moment), None)
+
+    def values(self) -> Iterator[V]:
+        return (value for _, value in self.entries)
+
+
+@dataclass
 class PositionMember:
     """One watcher of the stream in this process, as the producer sees it."""
 
@@ -199,29 +227,21 @@ class PositionMember:
     # Departed members only: until when they are followed, and their write at leave.
     departed_until: float | None = None
     farewell: asyncio.Task[None] | None = None
-    # (clock, positions) each time they changed, within ``recreated_lookback`` plus the last one
-    # before it: where the member was a while ago (``before_leave``, see the module docstring).
-    history: deque[tuple[float, dict[str, int]]] = field(default_factory=deque)
+    # Its positions within ``recreated_lookback``: where it was a while ago (``before_leave``, see
+    # the module docstring).
+    history: RecentValues[dict[str, int]] = field(default_factory=RecentValues)
     # Set when it leaves by cancellation: written with every later record of it ({}: it had no
     # position that long ago; a re-created watcher then starts as one without a position).
     before_leave: dict[str, int] | None = None
-
-    def note(self, now: float, positions: dict[str, int], keep: float) -> None:
-        """Remember ``positions`` as of ``now`` (bounded: changes within ``keep`` seconds, plus one)."""
-        history = self.history
-        if not history or history[-1][1] != positions:
-            history.append((now, dict(positions)))
-        while len(history) >= 2 and history[1][0] <= now - keep:
-            history.popleft()
 
     def positions_before(self, moment: float) -> dict[str, int]:
         """
         Its positions as of ``moment``: the last noted at or before it, else what its record held
         when it joined (nothing confirmed since then is in it), else none ({}).
         """
-        older = [positions for noted_at, positions in self.history if noted_at <= moment]
-        if older:
-            return dict(older[-1])
+        older = self.history.as_of(moment)
+        if older is not None:
+            return dict(older)
         return dict(self.stored) if self.stored else {}
 
     @property
@@ -401,7 +421,7 @@ class WatcherPositions:
                 continue
             positions = positions_of(member)
             if positions:
-                member.note(now, positions, self.recreated_lookback)
+                member.history.note(now, dict(positions), self.recreated_lookback)
             if positions and positions != member.written:
                 updates.append((member, positions))
         for member in list(self.departed.values()):

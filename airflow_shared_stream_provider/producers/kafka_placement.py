@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from airflow_shared_stream_provider._core.metrics import StreamCounters
-from airflow_shared_stream_provider._core.positions import PositionMember, WatcherPositions
+from airflow_shared_stream_provider._core.positions import PositionMember, RecentValues, WatcherPositions
 from airflow_shared_stream_provider.producers.kafka_lanes import Lane, next_epoch
 
 if TYPE_CHECKING:
@@ -71,7 +70,7 @@ class WatcherPlacement:
         self.batching = batching
         # Per lane, (monotonic time, lane.position()) at each change within the late-join lookback,
         # plus the last sample before it: where the lane was ``lookback`` seconds ago.
-        self._history: dict[TopicPartition, deque[tuple[float, int]]] = {}
+        self._history: dict[TopicPartition, RecentValues[int]] = {}
         self.last_sample = 0.0
 
     def forget(self, tp: TopicPartition) -> None:
@@ -244,17 +243,12 @@ class WatcherPlacement:
         self.last_sample = now
         if self.lookback <= 0:
             return
-        cutoff = now - self.lookback
         for tp, lane in self.lanes.items():
             position = lane.position()
             if position is None:
                 continue
-            history = self._history.setdefault(tp, deque())
-            if not history or history[-1][1] != position:
-                history.append((now, position))
-            # Keep the newest sample at or before the cutoff: the position the lane had then.
-            while len(history) >= 2 and history[1][0] <= cutoff:
-                history.popleft()
+            # Keeps the newest sample older than the lookback too: the position the lane had then.
+            self._history.setdefault(tp, RecentValues()).note(now, position, self.lookback)
 
     def lookback_start(self, tp: TopicPartition, lane: Lane) -> int:
         """
@@ -269,7 +263,7 @@ class WatcherPlacement:
         if self.lookback <= 0:
             return next_read
         history = self._history.get(tp)
-        return min((position for _, position in history), default=next_read) if history else next_read
+        return min(history.values(), default=next_read) if history else next_read
 
     def rewind(self, consumer: AIOKafkaConsumer, tp: TopicPartition, late: dict[int, int]) -> None:
         """
