@@ -16,6 +16,9 @@ from collections.abc import Iterator
 import pytest
 
 from airflow_shared_stream_provider._core.flow import gates
+from tests import ast_guard
+
+ast_guard.install()
 
 
 @pytest.fixture

@@ -40,8 +40,8 @@ from typing import Any
 
 # Imported now, not by the hypothesis plugin's terminal summary: that late import is rewritten by
 # pytest (ast.parse), and on CPython 3.11.7 it sometimes failed after this module's runs with
-# "SystemError: AST constructor recursion depth mismatch" (the AST recursion counter is not
-# thread-safe in 3.11.7), turning a green run red after the last test.
+# "SystemError: AST constructor recursion depth mismatch" (a parse nested in another by a
+# finalizer; tests/ast_guard.py now retries such a parse test-wide), turning a green run red after the last test.
 import hypothesis  # noqa: F401
 import pytest
 from azure.servicebus import ServiceBusMessage
