@@ -969,6 +969,9 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
                 for asset, hops in pair.items():
                     result["latency"][asset] = {**hop_latency(hops, sent_at, started), "delivered_orders": len(hops)}
             result["chaos"] = {"events": chaos.log.events, "errors": chaos.errors}
+            xcom_root = topology.xcom_root
+            # XComs the object-storage backend wrote as files (None: every XCom is in the DB).
+            result["xcom_files"] = None if xcom_root is None else sum(1 for f in xcom_root.rglob("*") if f.is_file())
             result["publish_errors"] = {b: p.errors[:5] for b, p in publishers.items() if p.errors}
             result["ok"] = all(c.ok for c in checks.values()) and pair_ok and not chaos.errors
     finally:

@@ -87,7 +87,8 @@ def venv_bin(name: str) -> str:
 
 
 def _config_env(section: str, option: str) -> str:
-    return f"AIRFLOW__{section.upper()}__{option.upper()}"
+    # Airflow's own naming: a dotted section (``common.io``) is ``COMMON_IO``.
+    return f"AIRFLOW__{section.replace('.', '_').upper()}__{option.upper()}"
 
 
 def _config_value(value: object) -> str:

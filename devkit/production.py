@@ -155,6 +155,37 @@ def write_consumer_pool_policy(airflow_home: Path) -> Path:
     return path
 
 
+# Airflow's object-storage XCom backend (apache-airflow-providers-common-io): an XCom of at least
+# XCOM_OBJECT_STORAGE_THRESHOLD bytes is written by the task process itself to a file under the
+# configured path, and only that path goes through the Execution API into the metadata DB.
+XCOM_OBJECT_STORAGE_BACKEND: Final = "airflow.providers.common.io.xcom.backend.XComObjectStorageBackend"
+XCOM_OBJECT_STORAGE_THRESHOLD: Final = 64 * 1024
+
+
+def xcom_object_storage_config(
+    root: Path | str, threshold: int = XCOM_OBJECT_STORAGE_THRESHOLD
+) -> dict[str, dict[str, object]]:
+    """
+    The ``[core]`` and ``[common.io]`` options that keep large XComs out of the metadata DB.
+
+    The pipeline's ``extract`` hands its batch to ``aggregate`` as an XCom. At 100 orders/s a run
+    that caught up after a slow one carried ~40,000 rows (~6 MB of JSON); through the Execution
+    API that push passed the API's 5 s timeout on a loaded machine, the task was killed after four
+    retries, and the next run carried its rows too (the 30-minute run of docs/production.md).
+    ``root`` is a directory (or ``s3://``/``gs://`` URL, any fsspec path) every worker can read;
+    ``threshold``: the smallest XCom, in bytes of JSON, written there (0: every one).
+    """
+    path = root.as_uri() if isinstance(root, Path) else root
+    return {
+        "core": {"xcom_backend": XCOM_OBJECT_STORAGE_BACKEND},
+        "common.io": {
+            "xcom_objectstorage_path": path,
+            "xcom_objectstorage_threshold": threshold,
+            "xcom_objectstorage_compression": "gzip",
+        },
+    }
+
+
 def ha_mode_for(brokers: Sequence[str]) -> HaMode:
     """``kafka-ha`` when every broker tolerates a split stream (Kafka only), else ``recipe``."""
     return "recipe" if QUEUE_BROKERS.intersection(brokers) else "kafka-ha"
@@ -216,6 +247,10 @@ class ProductionTopology:
         watchers each run a task per stored event, back to back (each a process that loads
         Airflow), and take the CPU the pipeline's Spark job needs; a pool is how one Airflow keeps
         them from it (on a real deployment: another worker queue, docs/production.md).
+    :param xcom_object_storage_threshold: XComs of this many bytes or more (64 KiB by default; 0:
+        every one) go to files under ``<workdir>/xcom`` (:func:`xcom_object_storage_config`, the
+        deployment advice of docs/production.md) instead of through the Execution API into the
+        metadata DB; None: Airflow's default backend (every XCom in the DB).
     """
 
     brokers: Sequence[str]
@@ -233,6 +268,7 @@ class ProductionTopology:
     ha: HaMode | None = None
     kafka_storage: Literal["memory", "s3"] = "memory"
     consumer_pool_slots: int | None = None
+    xcom_object_storage_threshold: int | None = XCOM_OBJECT_STORAGE_THRESHOLD
 
     streams: dict[str, DemoStream[Any]] = field(default_factory=dict, init=False)
     postgres: PostgresServer | None = field(default=None, init=False)
@@ -372,19 +408,25 @@ class ProductionTopology:
         else:
             # Half the watchers each: the stream is split between the triggerers from the start.
             triggerer["capacity"] = max(1, math.ceil(len(watchers) / 2))
+        config: dict[str, dict[str, object]] = {
+            "scheduler": {
+                "task_instance_heartbeat_timeout": self.task_heartbeat_timeout,
+                # The new scheduler resets a dead one's running tasks at start-up only if that
+                # one's heartbeat is already stale, else at the next check (300 s by default).
+                "orphaned_tasks_check_interval": self.task_heartbeat_timeout,
+            }
+        }
+        xcom_root = self.xcom_root
+        if xcom_root is not None and self.xcom_object_storage_threshold is not None:
+            xcom_root.mkdir(parents=True, exist_ok=True)
+            config.update(xcom_object_storage_config(xcom_root, self.xcom_object_storage_threshold))
+            say(f"  XComs of {self.xcom_object_storage_threshold} bytes or more: files under {xcom_root}")
         self._env = AirflowEnv(
             dags,
             connections=connections,
             env=dag_env,
             triggerer=triggerer,
-            config={
-                "scheduler": {
-                    "task_instance_heartbeat_timeout": self.task_heartbeat_timeout,
-                    # The new scheduler resets a dead one's running tasks at start-up only if that
-                    # one's heartbeat is already stale, else at the next check (300 s by default).
-                    "orphaned_tasks_check_interval": self.task_heartbeat_timeout,
-                }
-            },
+            config=config,
             home=self.workdir / "airflow-home",
             sql_alchemy_conn=self.postgres.url,
             startup_timeout=self.startup_timeout,
@@ -415,6 +457,11 @@ class ProductionTopology:
         self._env.wait_for_watchers(watchers, timeout=self.startup_timeout)
         say(f"  {len(dag_ids)} Dags unpaused; {len(watchers)} watchers running")
 
+    @property
+    def xcom_root(self) -> Path | None:
+        """Where large XComs are written (None: every XCom is in the metadata DB)."""
+        return None if self.xcom_object_storage_threshold is None else self.workdir / "xcom"
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, brokers: Sequence[str], workdir: Path) -> ProductionTopology:
         """The topology :func:`add_topology_arguments`' options describe."""
@@ -431,6 +478,9 @@ class ProductionTopology:
             ha=args.ha,
             kafka_storage=args.kafka_storage,
             consumer_pool_slots=args.consumer_pool_slots,
+            xcom_object_storage_threshold=None
+            if args.xcom_object_storage_threshold < 0
+            else args.xcom_object_storage_threshold,
         )
 
     def stop(self) -> None:
@@ -487,6 +537,13 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="run the light consumer Dags' tasks in a pool of this many slots (default: Airflow's default_pool)",
+    )
+    parser.add_argument(
+        "--xcom-object-storage-threshold",
+        type=int,
+        default=XCOM_OBJECT_STORAGE_THRESHOLD,
+        help="XComs of this many bytes or more go to files (Airflow's object-storage XCom backend; 0: every "
+        "one); negative: Airflow's default backend, every XCom in the metadata DB",
     )
     parser.add_argument(
         "--kafka-storage",

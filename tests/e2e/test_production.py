@@ -47,10 +47,13 @@ def test_kafka_production_chaos_short() -> None:
     # The recipe: every watcher in triggerer A, B on --queues (the split case is the slow test below:
     # finding 4 of docs/production.md lost messages there until late_join_lookback). Tansu stores in
     # S3 (a moto server), so restart-broker restarts Kafka with its data instead of skipping it.
+    # Every XCom goes through Airflow's object-storage backend (threshold 0; 64 KiB in the long
+    # runs): the pipeline's batches take the path a 100 orders/s deployment's do.
     result = run_and_check(
         "--brokers kafka --ha recipe --kafka-storage s3 --minutes 2 --rate 2 --chaos once --pause-seconds 30 "
-        "--drain-timeout 600 --out /dev/null"
+        "--drain-timeout 600 --xcom-object-storage-threshold 0 --out /dev/null"
     )
+    assert result["xcom_files"], "no XCom was written through the object-storage backend"
     chaos = result["chaos"]
     assert isinstance(chaos, dict)
     (restart,) = [event for event in chaos["events"] if event["action"] == "restart-broker"]
