@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 # What every broker's example Dag imports: the filters, the order events and the Spark pipeline.
-PIPELINE_DAG_FILES: Final = ("order_filters.py", "order_events.py", "orders_spark.py")
+PIPELINE_DAG_FILES: Final = ("order_filters.py", "order_events.py", "orders_spark.py", "orders_dags.py")
 
 
 def example_dag_files(broker: str) -> tuple[str, ...]:

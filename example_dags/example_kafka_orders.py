@@ -3,17 +3,8 @@ Kafka: four AssetWatchers share ONE consumer of the ``orders`` topic.
 
 Every watcher below passes the same producer settings (topic, connection, DLQ topic, ...), so the
 triggerer runs one aiokafka consumer (group ``airflow-shared-stream.kafka_default.orders``) and
-broadcasts each message to the four watchers; each applies its own filter:
-
-=====================  =============================================  ================================
-asset                  filter                                         what it shows
-=====================  =============================================  ================================
-``kafka_orders_eu``    ``match={"body.region": "eu"}``                equality on an envelope path
-``kafka_orders_us_apac`` ``match={"body.region": ["us", "apac"]}``    "any of"
-``kafka_orders_big``   ``filter_function="order_filters.is_big_order"`` a Python predicate
-``kafka_orders_valid`` ``filter_function="order_filters.require_valid_order"`` ``RejectMessage``:
-                                                                      malformed orders go to the DLQ
-=====================  =============================================  ================================
+broadcasts each message to the four watchers; each applies its own filter (the table is in
+``orders_dags.py``, the same on every broker).
 
 The offset of a message is committed only after every watcher's asset event for it is stored in
 the metadata DB (or it was dead-lettered), so a triggerer crash loses nothing; it may redeliver,
@@ -33,9 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from airflow.sdk import Asset, AssetWatcher
-from order_events import consumer_dag, pipeline_flush_after, stream_options
-from orders_spark import build_orders_spark_pipeline
+from orders_dags import declare_orders_dags
 
 from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger
 
@@ -44,31 +33,11 @@ DLQ_TOPIC = os.environ.get("ORDERS_DLQ_TOPIC", f"{TOPIC}.dlq")
 KAFKA_CONN_ID = os.environ.get("ORDERS_KAFKA_CONN_ID", "kafka_default")
 
 
-def orders_asset(name: str, **watcher_filter: Any) -> Asset:
-    """An asset fired by its own watcher on the shared ``orders`` stream: same producer settings, its own filter."""
-    trigger = KafkaSharedStreamTrigger(
-        topics=[TOPIC],
-        kafka_config_id=KAFKA_CONN_ID,
-        dlq_topic=DLQ_TOPIC,
-        **stream_options(),
-        **watcher_filter,
-    )
-    return Asset(name, watchers=[AssetWatcher(name=name, trigger=trigger)])
+def shared_stream_trigger(**options: Any) -> KafkaSharedStreamTrigger:
+    """One watcher's trigger: the topic, connection and DLQ topic of every watcher, plus its own options."""
+    return KafkaSharedStreamTrigger(topics=[TOPIC], kafka_config_id=KAFKA_CONN_ID, dlq_topic=DLQ_TOPIC, **options)
 
 
-orders_eu = orders_asset("kafka_orders_eu", match={"body.region": "eu"})
-orders_us_apac = orders_asset("kafka_orders_us_apac", match={"body.region": ["us", "apac"]})
-orders_big = orders_asset("kafka_orders_big", filter_function="order_filters.is_big_order")
-orders_valid = orders_asset(
-    "kafka_orders_valid",
-    filter_function="order_filters.require_valid_order",
-    flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
-)
-
-# A Dag per asset, run on the asset's events (order_events.consumer_dag: dedup, one receipt per order).
-consumer_dag("kafka_orders_eu_consumer", schedule=[orders_eu], sink="kafka_eu", broker="kafka")
-consumer_dag("kafka_orders_us_apac_consumer", schedule=[orders_us_apac], sink="kafka_us_apac", broker="kafka")
-consumer_dag("kafka_orders_big_consumer", schedule=[orders_big], sink="kafka_big", broker="kafka")
-
-# All well-formed orders feed the PySpark pipeline (revenue per region and minute, in Parquet).
-build_orders_spark_pipeline(dag_id="kafka_orders_spark_pipeline", source=orders_valid, dataset="kafka")
+# The four assets and their Dags (orders_dags.py): each watcher has its own filter; all pass the
+# same producer settings through shared_stream_trigger, so they share one stream.
+assets = declare_orders_dags("kafka", shared_stream_trigger)

@@ -20,9 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from airflow.sdk import Asset, AssetWatcher
-from order_events import consumer_dag, pipeline_flush_after, stream_options
-from orders_spark import build_orders_spark_pipeline
+from orders_dags import declare_orders_dags
 
 from airflow_shared_stream_provider.triggers.redis import RedisSharedStreamTrigger
 
@@ -31,29 +29,13 @@ DEAD_LETTER_STREAM = os.environ.get("ORDERS_REDIS_DEAD_LETTER_STREAM", f"{STREAM
 REDIS_CONN_ID = os.environ.get("ORDERS_REDIS_CONN_ID", "redis_default")
 
 
-def orders_asset(name: str, **watcher_filter: Any) -> Asset:
-    """An asset fired by its own watcher on the shared Redis stream: same producer settings, its own filter."""
-    trigger = RedisSharedStreamTrigger(
-        stream=STREAM,
-        redis_conn_id=REDIS_CONN_ID,
-        dead_letter_stream=DEAD_LETTER_STREAM,
-        **stream_options(),
-        **watcher_filter,
+def shared_stream_trigger(**options: Any) -> RedisSharedStreamTrigger:
+    """One watcher's trigger: the stream, connection and dead-letter stream of every watcher, plus its own options."""
+    return RedisSharedStreamTrigger(
+        stream=STREAM, redis_conn_id=REDIS_CONN_ID, dead_letter_stream=DEAD_LETTER_STREAM, **options
     )
-    return Asset(name, watchers=[AssetWatcher(name=name, trigger=trigger)])
 
 
-orders_eu = orders_asset("redis_orders_eu", match={"body.region": "eu"})
-orders_us_apac = orders_asset("redis_orders_us_apac", match={"body.region": ["us", "apac"]})
-orders_big = orders_asset("redis_orders_big", filter_function="order_filters.is_big_order")
-orders_valid = orders_asset(
-    "redis_orders_valid",
-    filter_function="order_filters.require_valid_order",
-    flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
-)
-
-# A Dag per asset, run on the asset's events (order_events.consumer_dag: dedup, one receipt per order).
-consumer_dag("redis_orders_eu_consumer", schedule=[orders_eu], sink="redis_eu", broker="redis")
-consumer_dag("redis_orders_us_apac_consumer", schedule=[orders_us_apac], sink="redis_us_apac", broker="redis")
-consumer_dag("redis_orders_big_consumer", schedule=[orders_big], sink="redis_big", broker="redis")
-build_orders_spark_pipeline(dag_id="redis_orders_spark_pipeline", source=orders_valid, dataset="redis")
+# The four assets and their Dags (orders_dags.py): each watcher has its own filter; all pass the
+# same producer settings through shared_stream_trigger, so they share one stream.
+assets = declare_orders_dags("redis", shared_stream_trigger)

@@ -19,9 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from airflow.sdk import Asset, AssetWatcher
-from order_events import consumer_dag, pipeline_flush_after, stream_options
-from orders_spark import build_orders_spark_pipeline
+from orders_dags import declare_orders_dags
 
 from airflow_shared_stream_provider.triggers.sqs import SqsSharedStreamTrigger
 
@@ -30,25 +28,11 @@ DLQ_URL = os.environ.get("ORDERS_SQS_DLQ_URL", "https://sqs.eu-west-1.amazonaws.
 AWS_CONN_ID = os.environ.get("ORDERS_AWS_CONN_ID", "aws_default")
 
 
-def orders_asset(name: str, **watcher_filter: Any) -> Asset:
-    """An asset fired by its own watcher on the shared SQS stream: same producer settings, its own filter."""
-    trigger = SqsSharedStreamTrigger(
-        queue_url=QUEUE_URL, aws_conn_id=AWS_CONN_ID, dlq_queue_url=DLQ_URL, **stream_options(), **watcher_filter
-    )
-    return Asset(name, watchers=[AssetWatcher(name=name, trigger=trigger)])
+def shared_stream_trigger(**options: Any) -> SqsSharedStreamTrigger:
+    """One watcher's trigger: the queue, connection and DLQ queue of every watcher, plus its own options."""
+    return SqsSharedStreamTrigger(queue_url=QUEUE_URL, aws_conn_id=AWS_CONN_ID, dlq_queue_url=DLQ_URL, **options)
 
 
-orders_eu = orders_asset("sqs_orders_eu", match={"body.region": "eu"})
-orders_us_apac = orders_asset("sqs_orders_us_apac", match={"body.region": ["us", "apac"]})
-orders_big = orders_asset("sqs_orders_big", filter_function="order_filters.is_big_order")
-orders_valid = orders_asset(
-    "sqs_orders_valid",
-    filter_function="order_filters.require_valid_order",
-    flush_after=pipeline_flush_after(),  # the tail of a burst gets its pipeline run (Airflow 3.3)
-)
-
-# A Dag per asset, run on the asset's events (order_events.consumer_dag: dedup, one receipt per order).
-consumer_dag("sqs_orders_eu_consumer", schedule=[orders_eu], sink="sqs_eu", broker="sqs")
-consumer_dag("sqs_orders_us_apac_consumer", schedule=[orders_us_apac], sink="sqs_us_apac", broker="sqs")
-consumer_dag("sqs_orders_big_consumer", schedule=[orders_big], sink="sqs_big", broker="sqs")
-build_orders_spark_pipeline(dag_id="sqs_orders_spark_pipeline", source=orders_valid, dataset="sqs")
+# The four assets and their Dags (orders_dags.py): each watcher has its own filter; all pass the
+# same producer settings through shared_stream_trigger, so they share one stream.
+assets = declare_orders_dags("sqs", shared_stream_trigger)
