@@ -32,8 +32,10 @@ What happens:
 * **the end** (after ``--drain-timeout`` at most): for each broker,
 
   * every watcher has an asset event for every message it must fire on (lost 0 per watcher), except
-    what its Dag's pause explains (:func:`explained_by_pause`): counted apart as
-    ``missed_while_paused``;
+    what its Dag's pause explains (:func:`pause_reason`): counted apart as ``missed_while_paused``,
+    with each reason's count in ``missed_while_paused_why`` (the triggerers' logs show which
+    messages the paused watcher fired and Airflow stored for no asset, :mod:`bench.triggerer_log`);
+    a miss that stays unexplained is in ``lost_ids`` with the time the watcher fired it, if it did;
   * the output table ``order_lines`` holds every valid order **exactly once** (0 missing, 0 twice,
     keyed on ``order_id``), and the revenue per region and minute equals what was published, to
     the cent;
@@ -72,6 +74,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Final
 
+from bench.triggerer_log import TriggererLogs
 from devkit.demo import (
     REGIONS,
     OrderMessage,
@@ -419,6 +422,9 @@ class Deliveries:
 
     first: dict[str, float] = field(default_factory=dict)
     copies: int = 0
+    # order id -> the broker message ids its events carried (a redelivery keeps its id; a second
+    # publish of the order has another)
+    message_ids: dict[str, set[str]] = field(default_factory=dict)
 
 
 def delivered_per_watcher(topology: ProductionTopology, broker: str) -> dict[str, Deliveries]:
@@ -432,6 +438,9 @@ def delivered_per_watcher(topology: ProductionTopology, broker: str) -> dict[str
                 if order_id and stamp is not None:
                     seen.copies += 1
                     seen.first.setdefault(order_id, stamp)
+                    message_id = envelope.get("message_id")
+                    if isinstance(message_id, str):
+                        seen.message_ids.setdefault(order_id, set()).add(message_id)
         out[watcher] = seen
     return out
 
@@ -671,7 +680,11 @@ class BrokerCheck:
     event_reads: dict[str, Any] = field(default_factory=dict)
     # Per watcher, the first missing order ids (not explained by a pause) with their publish time:
     # what to look for in the logs when ``lost`` is not 0.
-    lost_ids: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    # Each entry: (order id, publish time, when the watcher fired an event for it per the
+    # triggerers' logs, or None: never, or only in a batch).
+    lost_ids: dict[str, list[tuple[str, float, float | None]]] = field(default_factory=dict)
+    # Per paused watcher, how many of its misses each reason of pause_reason explains.
+    missed_while_paused_why: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -715,28 +728,53 @@ def in_pause(moment: float, windows: Sequence[tuple[float, float]]) -> bool:
     return any(start <= moment <= end for start, end in windows)
 
 
-def explained_by_pause(
-    published_at: float, siblings_first_event: float | None, windows: Sequence[tuple[float, float]], *, replays: bool
-) -> bool:
+PUBLISHED_WHILE_PAUSED: Final = "published while paused"
+FIRED_FOR_NO_ASSET: Final = "fired after the pause began, stored for no asset"
+SIBLINGS_AFTER_PAUSE: Final = "its siblings' events came after the pause began"
+
+
+def pause_reason(
+    published_at: float,
+    siblings_first_event: float | None,
+    windows: Sequence[tuple[float, float]],
+    *,
+    replays: bool,
+    fired_at: float | None = None,
+) -> str | None:
     """
-    Whether the paused watcher's miss of one message is its Dag's pause (not a loss): the message
-    was published during a pause, or (a broker that cannot replay what it settled, ``replays``
-    False) its siblings' first event for it came after a pause began. Airflow 3.3 drops the
-    watcher's trigger at the next parse after the pause and cancels it a loop later; an event the
-    watcher fires in between is stored for no asset (docs/production.md, finding 11), and a queue
-    broker settled the message for its siblings. Kafka replays those for a watcher that comes back
-    re-created, so there only the publish window explains a miss.
+    Why the paused watcher's miss of one message is its Dag's pause (not a loss), or None.
+
+    * the message was published during a pause (the watcher was away);
+    * a broker that cannot replay what it settled (``replays`` False): the watcher fired an event
+      for it after a pause began (``fired_at``, from the triggerers' logs) and Airflow stored it for
+      no asset: Airflow 3.3 drops the watcher's trigger at the next parse after the pause and
+      cancels it a loop later, and an event fired in between is "persisted" nowhere
+      (docs/production.md, finding 11), while the broker settled the message for its siblings;
+    * likewise, its siblings' first event for it came after a pause began (the proxy for a message
+      still queued for the watcher when it was cancelled; it misjudges a watcher that lags).
+
+    Kafka replays all of those for a watcher that comes back re-created, so there only the
+    publish window explains a miss.
     """
     if in_pause(published_at, windows):
-        return True
-    if replays or siblings_first_event is None:
-        return False
-    return any(siblings_first_event >= start for start, _ in windows)
+        return PUBLISHED_WHILE_PAUSED
+    if replays or not windows:
+        return None
+    if fired_at is not None and any(fired_at >= start for start, _ in windows):
+        return FIRED_FOR_NO_ASSET
+    if siblings_first_event is not None and any(siblings_first_event >= start for start, _ in windows):
+        return SIBLINGS_AFTER_PAUSE
+    return None
 
 
 def check_broker(
-    topology: ProductionTopology, broker: str, publisher: Publisher, pauses: Sequence[tuple[float, float]]
+    topology: ProductionTopology,
+    broker: str,
+    publisher: Publisher,
+    pauses: Sequence[tuple[float, float]],
+    logs: TriggererLogs | None = None,
 ) -> BrokerCheck:
+    """The end's checks of the module docstring for ``broker``; ``logs``: the triggerers' (read again here)."""
     stream = topology.streams[broker]
     sent = publisher.sent
     roles = topology.watcher_roles(broker)
@@ -744,27 +782,49 @@ def check_broker(
     delivered = delivered_per_watcher(topology, broker)
     paused_watcher = stream.watchers[0]
     lost: dict[str, int] = {}
-    lost_ids: dict[str, list[tuple[str, float]]] = {}
+    lost_ids: dict[str, list[tuple[str, float, float | None]]] = {}
     missed_paused: dict[str, int] = {}
+    missed_why: dict[str, dict[str, int]] = {}
     siblings_first: dict[str, float] = {}
+    message_ids: dict[str, set[str]] = defaultdict(set)
     for watcher, seen in delivered.items():
+        for order_id, ids in seen.message_ids.items():
+            message_ids[order_id] |= ids
         if watcher != paused_watcher:
             for order_id, stamp in seen.first.items():
                 siblings_first[order_id] = min(stamp, siblings_first.get(order_id, stamp))
+    if logs is not None:
+        logs.refresh()
     for watcher, wanted in expected.items():
         got = delivered[watcher].first
         missing = [order_id for order_id in wanted if order_id not in got]
+        fired = logs.fired(watcher) if logs is not None and missing else {}
+
+        def fired_at(order_id: str, fired: Mapping[str, float] = fired) -> float | None:
+            times = [fired[m] for m in message_ids.get(order_id, ()) if m in fired]
+            return min(times) if times else None
+
         windows = pauses if watcher == paused_watcher else ()
-        explained = [
-            order_id
+        reasons = {
+            order_id: pause_reason(
+                wanted[order_id],
+                siblings_first.get(order_id),
+                windows,
+                replays=broker == "kafka",
+                fired_at=fired_at(order_id),
+            )
             for order_id in missing
-            if explained_by_pause(wanted[order_id], siblings_first.get(order_id), windows, replays=broker == "kafka")
-        ]
-        missed_paused[watcher] = len(explained)
-        lost[watcher] = len(missing) - len(explained)
-        unexplained = [order_id for order_id in missing if order_id not in explained]
+        }
+        why = Counter(reason for reason in reasons.values() if reason is not None)
+        missed_paused[watcher] = sum(why.values())
+        if why:
+            missed_why[watcher] = dict(why)
+        unexplained = [order_id for order_id, reason in reasons.items() if reason is None]
+        lost[watcher] = len(unexplained)
         if unexplained:
-            lost_ids[watcher] = [(order_id, wanted[order_id]) for order_id in unexplained[:LOST_IDS_SHOWN]]
+            lost_ids[watcher] = [
+                (order_id, wanted[order_id], fired_at(order_id)) for order_id in unexplained[:LOST_IDS_SHOWN]
+            ]
     valid_ids = set(expected[stream.watcher_name("kafka_orders_valid")])
     rows = output_order_ids(topology.output_dir / broker)
     revenue_published = published_revenue(sent)
@@ -796,13 +856,18 @@ def check_broker(
         events_per_run_max=most_events,
         publish_errors=len(publisher.errors),
         lost_ids=lost_ids,
+        missed_while_paused_why=missed_why,
     )
 
 
 def drained(
-    topology: ProductionTopology, broker: str, publisher: Publisher, pauses: Sequence[tuple[float, float]]
+    topology: ProductionTopology,
+    broker: str,
+    publisher: Publisher,
+    pauses: Sequence[tuple[float, float]],
+    logs: TriggererLogs | None = None,
 ) -> bool:
-    check = check_broker(topology, broker, publisher, pauses)
+    check = check_broker(topology, broker, publisher, pauses, logs)
     runs_idle = all(topology.env.dag_idle(dag_id) for dag_id in topology.streams[broker].consumer_dags)
     return check.ok and runs_idle
 
@@ -937,19 +1002,20 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
             chaos.join(timeout=900)
             publish_end = time.time()
             say("publishing done; draining ...")
+            logs = TriggererLogs(topology.env.airflow_home / "process-logs")
             deadline = time.monotonic() + args.drain_timeout
             pending = set(brokers) if args.pipeline else set()
             pair_pending = args.upstream_kafka
             while (pending or pair_pending) and time.monotonic() < deadline:
                 topology.env.check_alive()
-                pending = {b for b in pending if not drained(topology, b, publishers[b], chaos.log.pauses[b])}
+                pending = {b for b in pending if not drained(topology, b, publishers[b], chaos.log.pauses[b], logs)}
                 pair_pending = pair_pending and not pair_done(topology, publishers["kafka"])
                 if pending or pair_pending:
                     time.sleep(10)
             result["drain_s"] = round(time.time() - publish_end, 1)
             result["drained"] = not (pending or pair_pending)
             checks = (
-                {b: check_broker(topology, b, publishers[b], chaos.log.pauses[b]) for b in brokers}
+                {b: check_broker(topology, b, publishers[b], chaos.log.pauses[b], logs) for b in brokers}
                 if args.pipeline
                 else {}
             )

@@ -277,6 +277,9 @@ class SharedStreamTrigger(BaseEventTrigger):
         token = id(self)
         gate.register(token)
         identity = identity_of([name for name, _ in stores], self._watcher_spec())
+        # Airflow's own lines name a trigger only by its id ("trigger ID 21 starting", "Trigger
+        # fired event ... name='ID 21'"): this one says which watcher that is.
+        log.info("Watcher %s runs as trigger %s on a %s shared stream", identity, self.trigger_id, self.settings.broker)
         gate.cohort.join(token, identity, stores if cohort_record_enabled() else [], record_key(key))
         scope = self.settings.position_scope()
         # -1: no position kept, never in a message's skip_for.

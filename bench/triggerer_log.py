@@ -1,0 +1,80 @@
+"""
+What the triggerers' logs say each watcher fired: the evidence for a paused watcher's misses.
+
+Airflow 3.3.2 names a trigger only by its id in its log lines (``Trigger fired event ...
+name='ID 21' result="TriggerEvent<sqs message '...'>"``); our trigger logs which watcher runs as
+which trigger id when it joins its stream (``Watcher sqs_orders_eu#... runs as trigger 21 on a
+sqs shared stream``). Together they say which messages a watcher *fired*, and when. A message
+that a watcher fired but that has no asset event for it was dropped by Airflow after the fire,
+not by the stream: that is finding 11 of docs/production.md (a paused Dag's trigger row deleted
+while its watcher still runs, its events "persisted" for no asset).
+
+Only single-message events name their message; a batch event names its first and last only, so
+batch mode gives no evidence here (the bench's other rules still apply).
+
+The logs grow for the whole run and the drain polls the checks every 10 s: :class:`TriggererLogs`
+reads each file from where it stopped.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+# "Watcher sqs_orders_eu#0f3a... runs as trigger 21 on a sqs shared stream" (_core/trigger.py)
+_JOIN = re.compile(r"Watcher (?P<watcher>[^\s#]+)#\S* runs as trigger (?P<trigger>\d+) on a")
+# 2026-11-28T05:54:22.160648Z [info ] Trigger fired event [...] ... name='ID 4'
+#   result="TriggerEvent<kafka message 'orders/0/0'>" (_core/events.py's repr)
+_FIRED = re.compile(
+    r"^(?P<at>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z) .*Trigger fired event.*"
+    r"name='ID (?P<trigger>\d+)' result=\"TriggerEvent<\w+ message '(?P<message>[^']*)'>\""
+)
+
+
+def _epoch(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+@dataclass
+class TriggererLogs:
+    """The triggerers' process logs under ``directory`` (``triggerer*.log``), read incrementally."""
+
+    directory: Path
+    watcher_of: dict[int, str] = field(default_factory=dict)
+    # trigger id -> message id -> first time (epoch) it fired an event for it
+    _fired_by_trigger: dict[int, dict[str, float]] = field(default_factory=dict)
+    _offsets: dict[Path, int] = field(default_factory=dict)
+
+    def refresh(self) -> None:
+        """Read what the logs gained since the last call (whole lines only)."""
+        for path in sorted(self.directory.glob("triggerer*.log")):
+            start = self._offsets.get(path, 0)
+            with path.open("rb") as f:
+                f.seek(start)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._offsets[path] = start + end
+            for line in data[:end].decode("utf-8", "replace").splitlines():
+                self._read(line)
+
+    def _read(self, line: str) -> None:
+        if "runs as trigger" in line:
+            joined = _JOIN.search(line)
+            if joined:
+                self.watcher_of[int(joined["trigger"])] = joined["watcher"]
+        elif "Trigger fired event" in line:
+            fired = _FIRED.search(line)
+            if fired:
+                messages = self._fired_by_trigger.setdefault(int(fired["trigger"]), {})
+                messages.setdefault(fired["message"], _epoch(fired["at"]))
+
+    def fired(self, watcher: str) -> dict[str, float]:
+        """``message id -> first fire time`` of every single-message event ``watcher`` fired, under any trigger id."""
+        out: dict[str, float] = {}
+        for trigger, messages in self._fired_by_trigger.items():
+            if self.watcher_of.get(trigger) == watcher:
+                for message, at in messages.items():
+                    out[message] = min(at, out.get(message, at))
+        return out
