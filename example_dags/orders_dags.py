@@ -4,15 +4,11 @@ The example's Dags on one broker's shared stream (imported by the ``example_<bro
 Every broker's example declares the same four assets, each fired by its own watcher on the one
 shared stream, and the Dags scheduled on them:
 
-=====================  =============================================  ================================
-asset                  filter                                         what it shows
-=====================  =============================================  ================================
-``<broker>_orders_eu``      ``match={"body.region": "eu"}``           equality on an envelope path
-``<broker>_orders_us_apac`` ``match={"body.region": ["us", "apac"]}`` "any of"
-``<broker>_orders_big``     ``filter_function="order_filters.is_big_order"`` a Python predicate
-``<broker>_orders_valid``   ``filter_function="order_filters.require_valid_order"``  ``RejectMessage``:
-                                                                      malformed orders go to the DLQ
-=====================  =============================================  ================================
+* ``<broker>_orders_eu``: ``match={"body.region": "eu"}`` (equality on an envelope path);
+* ``<broker>_orders_us_apac``: ``match={"body.region": ["us", "apac"]}`` ("any of");
+* ``<broker>_orders_big``: ``filter_function="order_filters.is_big_order"`` (a Python predicate);
+* ``<broker>_orders_valid``: ``filter_function="order_filters.require_valid_order"``, which raises
+  ``RejectMessage`` for a malformed order: it goes to the dead-letter destination.
 
 ``<broker>_orders_{eu,us_apac,big}_consumer`` (:func:`order_events.consumer_dag`) record each order
 of their run once; ``<broker>_orders_spark_pipeline`` (:mod:`orders_spark`) turns the valid orders
