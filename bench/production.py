@@ -746,10 +746,11 @@ def pause_reason(
 
     * the message was published during a pause (the watcher was away);
     * a broker that cannot replay what it settled (``replays`` False): the watcher fired an event
-      for it after a pause began (``fired_at``, from the triggerers' logs) and Airflow stored it for
-      no asset: Airflow 3.3 drops the watcher's trigger at the next parse after the pause and
-      cancels it a loop later, and an event fired in between is "persisted" nowhere
-      (docs/production.md, finding 11), while the broker settled the message for its siblings;
+      for it after a pause began under a trigger id it no longer runs as (``fired_at``, from the
+      triggerers' logs) and Airflow stored it for no asset: Airflow 3.3 drops the watcher's
+      trigger at the next parse after the pause and cancels it a loop later, and an event fired
+      in between is "persisted" nowhere (docs/production.md, finding 11), while the broker settled
+      the message for its siblings;
     * likewise, its siblings' first event for it came after a pause began (the proxy for a message
       still queued for the watcher when it was cancelled; it misjudges a watcher that lags).
 
@@ -799,6 +800,9 @@ def check_broker(
         got = delivered[watcher].first
         missing = [order_id for order_id in wanted if order_id not in got]
         fired = logs.fired(watcher) if logs is not None and missing else {}
+        # Only a trigger the watcher no longer runs as can have fired an event Airflow stored for
+        # no asset: the newest one is still referenced, and what it fires is stored.
+        fired_replaced = logs.fired(watcher, replaced_triggers_only=True) if logs is not None and missing else {}
 
         def fired_at(order_id: str, fired: Mapping[str, float] = fired) -> float | None:
             times = [fired[m] for m in message_ids.get(order_id, ()) if m in fired]
@@ -811,7 +815,7 @@ def check_broker(
                 siblings_first.get(order_id),
                 windows,
                 replays=broker == "kafka",
-                fired_at=fired_at(order_id),
+                fired_at=fired_at(order_id, fired_replaced),
             )
             for order_id in missing
         }

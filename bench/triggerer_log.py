@@ -70,11 +70,19 @@ class TriggererLogs:
                 messages = self._fired_by_trigger.setdefault(int(fired["trigger"]), {})
                 messages.setdefault(fired["message"], _epoch(fired["at"]))
 
-    def fired(self, watcher: str) -> dict[str, float]:
-        """``message id -> first fire time`` of every single-message event ``watcher`` fired, under any trigger id."""
+    def fired(self, watcher: str, *, replaced_triggers_only: bool = False) -> dict[str, float]:
+        """
+        ``message id -> first fire time`` of every single-message event ``watcher`` fired, under
+        any of its trigger ids, or (``replaced_triggers_only``) under those it no longer runs as:
+        a trigger id comes once (Airflow never reuses one), so every id but the newest belonged to
+        a trigger row that was deleted while the watcher ran under it, as a paused Dag's is.
+        Events of the newest id were fired by a trigger Airflow still references.
+        """
+        mine = sorted(trigger for trigger, name in self.watcher_of.items() if name == watcher)
+        if replaced_triggers_only:
+            mine = mine[:-1]
         out: dict[str, float] = {}
-        for trigger, messages in self._fired_by_trigger.items():
-            if self.watcher_of.get(trigger) == watcher:
-                for message, at in messages.items():
-                    out[message] = min(at, out.get(message, at))
+        for trigger in mine:
+            for message, at in self._fired_by_trigger.get(trigger, {}).items():
+                out[message] = min(at, out.get(message, at))
         return out

@@ -86,3 +86,6 @@ def test_the_logs_say_what_each_watcher_fired_under_every_trigger_id_it_had(tmp_
     assert logs.watcher_of[21] == "sqs_orders_eu"
     assert set(logs.fired("sqs_orders_eu")) == {"m-1", "m-9"}
     assert logs.fired("sqs_orders_eu")["m-1"] == at  # the first time it fired, not the replay
+    # Trigger 4 was replaced by 21: only what 4 fired can have been stored for no asset.
+    assert set(logs.fired("sqs_orders_eu", replaced_triggers_only=True)) == {"m-1"}
+    assert logs.fired("sqs_orders_big", replaced_triggers_only=True) == {}
