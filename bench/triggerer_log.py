@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 # "Watcher sqs_orders_eu#0f3a... runs as trigger 21 on a sqs shared stream" (_core/trigger.py)
@@ -34,7 +34,10 @@ _FIRED = re.compile(
 
 
 def _epoch(stamp: str) -> float:
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    """``2026-11-28T05:54:22.160648Z`` as epoch seconds (by hand: 3.10's ``fromisoformat`` takes no ``Z``)."""
+    whole, _, fraction = stamp.rstrip("Z").partition(".")
+    seconds = datetime.strptime(whole, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+    return seconds + (float(f"0.{fraction}") if fraction else 0.0)
 
 
 @dataclass
