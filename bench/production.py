@@ -68,7 +68,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -768,6 +768,11 @@ def pause_reason(
     return None
 
 
+def first_fired(message_ids: Iterable[str], fired: Mapping[str, float]) -> float | None:
+    """When an event for any of an order's ``message_ids`` was first fired, per ``fired`` (None: never)."""
+    return min((fired[m] for m in message_ids if m in fired), default=None)
+
+
 def check_broker(
     topology: ProductionTopology,
     broker: str,
@@ -799,15 +804,13 @@ def check_broker(
     for watcher, wanted in expected.items():
         got = delivered[watcher].first
         missing = [order_id for order_id in wanted if order_id not in got]
-        fired = logs.fired(watcher) if logs is not None and missing else {}
+        fired: dict[str, float] = {}
         # Only a trigger the watcher no longer runs as can have fired an event Airflow stored for
         # no asset: the newest one is still referenced, and what it fires is stored.
-        fired_replaced = logs.fired(watcher, replaced_triggers_only=True) if logs is not None and missing else {}
-
-        def fired_at(order_id: str, fired: Mapping[str, float] = fired) -> float | None:
-            times = [fired[m] for m in message_ids.get(order_id, ()) if m in fired]
-            return min(times) if times else None
-
+        fired_replaced: dict[str, float] = {}
+        if logs is not None and missing:
+            fired = logs.fired(watcher)
+            fired_replaced = logs.fired(watcher, replaced_triggers_only=True)
         windows = pauses if watcher == paused_watcher else ()
         reasons = {
             order_id: pause_reason(
@@ -815,7 +818,7 @@ def check_broker(
                 siblings_first.get(order_id),
                 windows,
                 replays=broker == "kafka",
-                fired_at=fired_at(order_id, fired_replaced),
+                fired_at=first_fired(message_ids.get(order_id, ()), fired_replaced),
             )
             for order_id in missing
         }
@@ -827,7 +830,8 @@ def check_broker(
         lost[watcher] = len(unexplained)
         if unexplained:
             lost_ids[watcher] = [
-                (order_id, wanted[order_id], fired_at(order_id)) for order_id in unexplained[:LOST_IDS_SHOWN]
+                (order_id, wanted[order_id], first_fired(message_ids.get(order_id, ()), fired))
+                for order_id in unexplained[:LOST_IDS_SHOWN]
             ]
     valid_ids = set(expected[stream.watcher_name("kafka_orders_valid")])
     rows = output_order_ids(topology.output_dir / broker)
