@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from airflow.sdk import Asset
     from airflow.triggers.base import BaseEventTrigger
 
+# The watcher that feeds the PySpark pipeline; each of the others has a one-task consumer Dag.
+PIPELINE_WATCHER = "orders_valid"
 # watcher -> its filter (the trigger's keyword arguments that are not producer settings).
 WATCHER_FILTERS: dict[str, dict[str, Any]] = {
     "orders_eu": {"match": {"body.region": "eu"}},
@@ -51,11 +53,14 @@ def declare_orders_dags(broker: str, shared_stream_trigger: Callable[..., BaseEv
     for watcher, watcher_filter in WATCHER_FILTERS.items():
         name = f"{broker}_{watcher}"
         options = {**stream_options(), **watcher_filter}
-        if watcher == "orders_valid":
+        if watcher == PIPELINE_WATCHER:
             options["flush_after"] = pipeline_flush_after()  # the tail of a burst gets its pipeline run
-        assets[watcher] = Asset(name, watchers=[AssetWatcher(name=name, trigger=shared_stream_trigger(**options))])
-    for watcher in ("orders_eu", "orders_us_apac", "orders_big"):
-        sink = f"{broker}_{watcher.removeprefix('orders_')}"
-        consumer_dag(f"{broker}_{watcher}_consumer", schedule=[assets[watcher]], sink=sink, broker=broker)
-    build_orders_spark_pipeline(dag_id=f"{broker}_orders_spark_pipeline", source=assets["orders_valid"], dataset=broker)
+        asset = assets[watcher] = Asset(
+            name, watchers=[AssetWatcher(name=name, trigger=shared_stream_trigger(**options))]
+        )
+        if watcher == PIPELINE_WATCHER:
+            build_orders_spark_pipeline(dag_id=f"{broker}_orders_spark_pipeline", source=asset, dataset=broker)
+        else:
+            sink = f"{broker}_{watcher.removeprefix('orders_')}"
+            consumer_dag(f"{name}_consumer", schedule=[asset], sink=sink, broker=broker)
     return assets
