@@ -30,6 +30,12 @@ from airflow_shared_stream_provider.brokers import BrokerName
 # Below this a budget would hold about one message at a time even for small messages.
 MIN_IN_FLIGHT_BYTES = 64 * 1024
 
+# A settings field's type -> whether None is allowed. Every field typed ``str`` or ``str | None``
+# is text that must not be empty: the type says so once, and the base checks it (a broker's class
+# writes no check of its own). Both forms: the annotation is a string under ``from __future__
+# import annotations``, a type without it.
+_TEXT_TYPES: dict[Any, bool] = {"str": False, str: False, "str | None": True, str | None: True}
+
 
 def _freeze(value: Any) -> Hashable:
     if isinstance(value, Mapping):
@@ -59,6 +65,10 @@ class StreamSettings:
     batch_timeout: float = DEFAULT_BATCH_TIMEOUT
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            allow_none = _TEXT_TYPES.get(f.type)
+            if allow_none is not None:
+                self.require_text(f.name, getattr(self, f.name), allow_none=allow_none)
         if not isinstance(self.max_payload_bytes, int) or self.max_payload_bytes < 1024:
             raise SharedStreamConfigError(f"max_payload_bytes must be an int >= 1024, got {self.max_payload_bytes!r}")
         if self.oversize_policy not in OVERSIZE_POLICIES:

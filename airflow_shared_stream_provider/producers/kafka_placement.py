@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from airflow_shared_stream_provider._core.metrics import StreamCounters
@@ -41,6 +42,7 @@ def lane_label(tp: TopicPartition) -> str:
     return f"{tp.topic}/{tp.partition}"
 
 
+@dataclass(eq=False, kw_only=True)
 class WatcherPlacement:
     """
     The watcher positions of one Kafka stream (one producer), on its lanes; also the positions'
@@ -48,30 +50,18 @@ class WatcherPlacement:
     followed on the lanes until the messages they had settle (see _core/positions.py).
     """
 
-    def __init__(
-        self,
-        *,
-        lanes: dict[TopicPartition, Lane],
-        positions: WatcherPositions,
-        counters: StreamCounters,
-        log: logging.Logger,
-        source_label: str,
-        in_flight: Callable[[], int],
-        lookback: float,
-        batching: bool,
-    ) -> None:
-        self.lanes = lanes
-        self.positions = positions
-        self.counters = counters
-        self.log = log
-        self.source_label = source_label
-        self.in_flight = in_flight
-        self.lookback = lookback
-        self.batching = batching
-        # Per lane, (monotonic time, lane.position()) at each change within the late-join lookback,
-        # plus the last sample before it: where the lane was ``lookback`` seconds ago.
-        self._history: dict[TopicPartition, RecentValues[int]] = {}
-        self.last_sample = 0.0
+    lanes: dict[TopicPartition, Lane]
+    positions: WatcherPositions
+    counters: StreamCounters
+    log: logging.Logger
+    source_label: str
+    in_flight: Callable[[], int]
+    lookback: float
+    batching: bool
+    # Per lane, (monotonic time, lane.position()) at each change within the late-join lookback,
+    # plus the last sample before it: where the lane was ``lookback`` seconds ago.
+    _history: dict[TopicPartition, RecentValues[int]] = field(default_factory=dict, init=False)
+    last_sample: float = field(default=0.0, init=False)
 
     def forget(self, tp: TopicPartition) -> None:
         """The partition is no longer this stream's (revoked)."""

@@ -58,9 +58,6 @@ class KafkaStreamSettings(StreamSettings):
             raise SharedStreamConfigError(f"topics must be a non-empty list of topic names, got {self.topics!r}")
         for topic in self.topics:
             self.require_text("topics[]", topic)
-        self.require_text("kafka_config_id", self.kafka_config_id)
-        self.require_text("group_id", self.group_id, allow_none=True)
-        self.require_text("dlq_topic", self.dlq_topic, allow_none=True)
         if self.dlq_topic in self.topics:
             raise SharedStreamConfigError(f"dlq_topic {self.dlq_topic!r} must not be one of the watched topics")
         self.require_number("poll_timeout", self.poll_timeout, minimum=0.01, maximum=60)

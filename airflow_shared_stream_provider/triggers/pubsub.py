@@ -109,10 +109,6 @@ class PubSubStreamSettings(StreamSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.require_text("subscription", self.subscription)
-        self.require_text("project_id", self.project_id, allow_none=True)
-        self.require_text("gcp_conn_id", self.gcp_conn_id)
-        self.require_text("dead_letter_topic", self.dead_letter_topic, allow_none=True)
         path_project, _ = split_subscription(self.subscription)
         if self.project_id is not None:
             _check_project("project_id", self.project_id)
@@ -208,8 +204,10 @@ class PubSubSharedStreamTrigger(SharedStreamTrigger):
         ack_flush_interval: float = DEFAULT_ACK_FLUSH_INTERVAL,
         **options: Unpack[SharedStreamOptions],
     ) -> None:
-        if not isinstance(subscription, str) or not subscription.strip():
-            raise SharedStreamConfigError(f"subscription must be a non-empty string, got {subscription!r}")
+        # Checked here as well as in the settings: both are read (and folded) before those exist,
+        # and an empty project_id must fail, not fall through as "no project given".
+        self.settings_class.require_text("subscription", subscription)
+        self.settings_class.require_text("project_id", project_id, allow_none=True)
         path_project, name = split_subscription(subscription)
         project = path_project or project_id
         if project is not None:

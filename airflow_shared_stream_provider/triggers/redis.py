@@ -63,9 +63,6 @@ class RedisStreamSettings(StreamSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("stream", "redis_conn_id", "group", "body_field"):
-            self.require_text(name, getattr(self, name))
-        self.require_text("dead_letter_stream", self.dead_letter_stream, allow_none=True)
         if self.dead_letter_stream == self.stream:
             raise SharedStreamConfigError(
                 f"dead_letter_stream must differ from stream ({self.stream!r}): every rejected entry would be "

@@ -90,9 +90,6 @@ class ServiceBusStreamSettings(StreamSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.require_text("queue_name", self.queue_name, allow_none=True)
-        self.require_text("topic_name", self.topic_name, allow_none=True)
-        self.require_text("subscription_name", self.subscription_name, allow_none=True)
         if self.queue_name is not None:
             if self.topic_name is not None or self.subscription_name is not None:
                 raise SharedStreamConfigError(
@@ -111,7 +108,6 @@ class ServiceBusStreamSettings(StreamSettings):
                 f"topic_name={self.topic_name!r} needs subscription_name: a shared stream reads one "
                 "subscription of a topic"
             )
-        self.require_text("azure_service_bus_conn_id", self.azure_service_bus_conn_id)
         if isinstance(self.prefetch_count, bool) or not isinstance(self.prefetch_count, int):
             raise SharedStreamConfigError(f"prefetch_count must be an int, got {self.prefetch_count!r}")
         self.require_number("prefetch_count", self.prefetch_count, minimum=0, maximum=5000)

@@ -109,15 +109,11 @@ class SqsStreamSettings(StreamSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.require_text("queue_url", self.queue_url)
         if not _QUEUE_URL.match(self.queue_url):
             raise SharedStreamConfigError(
                 f"queue_url must be a full SQS queue URL like "
                 f"'https://sqs.<region>.amazonaws.com/<account>/<queue>', got {self.queue_url!r}"
             )
-        self.require_text("aws_conn_id", self.aws_conn_id, allow_none=True)
-        self.require_text("region_name", self.region_name, allow_none=True)
-        self.require_text("dlq_queue_url", self.dlq_queue_url, allow_none=True)
         if self.dlq_queue_url is not None:
             if not _QUEUE_URL.match(self.dlq_queue_url):
                 raise SharedStreamConfigError(f"dlq_queue_url must be a full SQS queue URL, got {self.dlq_queue_url!r}")

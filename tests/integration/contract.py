@@ -370,3 +370,33 @@ async def wait_until_settled(adapter: BrokerAdapter, *, timeout: float) -> None:
         return await adapter.unsettled() == 0
 
     await wait_until_async(settled, timeout=timeout)
+
+
+async def held_under_lease(
+    adapter: BrokerAdapter,
+    trigger: SharedStreamTrigger,
+    *,
+    hold_for: float,
+    nobody_else_has_it: Callable[[], Awaitable[None]],
+) -> None:
+    """
+    The lease a broker gives one watcher's message is kept for as long as the watcher works on it.
+
+    One message is published and fired to ``trigger``'s watcher; its event is not persisted for
+    ``hold_for`` seconds (several of the broker's lease periods), during which
+    ``nobody_else_has_it`` asserts, every 0.5 s, that the broker has not let anyone else take it.
+    Then the event is persisted: the broker settles, and the message was delivered once.
+    """
+    await adapter.publish(orders(1))
+    async with RunnerSim(SharedStreamManager(ack_timeout=60)) as runner:
+        runner.add(1, trigger)
+        await wait_until(lambda: len(runner.pending) == 1, timeout=20, what="the event")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + hold_for
+        while loop.time() < deadline:
+            await nobody_else_has_it()
+            await asyncio.sleep(0.5)
+        assert len(runner.pending) == 1  # delivered once, not again
+        runner.persist()
+        await wait_until_settled(adapter, timeout=20)
+    assert runner.persisted[1][0]["delivery_attempt"] == 1

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from airflow_shared_stream_provider._core.errors import SharedStreamConfigError
 from airflow_shared_stream_provider._core.settings import StreamSettings
 from airflow_shared_stream_provider._core.trigger import SharedStreamTrigger
 from airflow_shared_stream_provider.brokers import BROKERS, BrokerSpec, load
@@ -98,3 +99,20 @@ def test_a_trigger_left_at_its_defaults_builds_the_default_settings(spec: Broker
         if field.name not in base and not _same(getattr(settings, field.name), _field_default(field))
     }
     assert not differ, f"{spec.trigger} built (value, settings default): {differ}"
+
+
+@pytest.mark.parametrize("spec", BROKERS, ids=lambda spec: spec.name)
+def test_every_text_setting_refuses_empty_text_with_one_clear_error(spec: BrokerSpec) -> None:
+    """
+    A ``str`` / ``str | None`` field is checked by its type (StreamSettings), not by a line per
+    broker: each one, set to "" or blank, fails the trigger with one error that starts with the
+    field's name (a broker may check the text's form first, as Pub/Sub does with resource names).
+    """
+    trigger_class, settings_class = _classes(spec)
+    base = KEY_CASES[spec.name].base
+    text_fields = [field.name for field in dataclasses.fields(settings_class) if field.type in ("str", "str | None")]
+    assert text_fields, f"{spec.settings} has no text settings: the broker names its source with one"
+    for name in text_fields:
+        for blank in ("", "  "):
+            with pytest.raises(SharedStreamConfigError, match=rf"^{name}\b"):
+                trigger_class(**{**base, name: blank})

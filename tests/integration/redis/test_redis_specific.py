@@ -22,7 +22,7 @@ from airflow_shared_stream_provider.triggers.redis import RedisSharedStreamTrigg
 from devkit.redis_broker import start_redis
 from devkit.runner import RunnerSim, record_producers, wait_until
 from tests.integration import crash
-from tests.integration.contract import batched, orders, wait_until_async, wait_until_settled
+from tests.integration.contract import batched, held_under_lease, orders, wait_until_async, wait_until_settled
 from tests.integration.redis.conftest import RedisAdapter
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
@@ -64,25 +64,18 @@ async def test_the_lease_is_kept_while_a_watcher_works(adapter: RedisAdapter) ->
     # of the event loop up to ~1.3 s cannot let it lapse. With 2 s (0.67 s of slack) a loaded
     # 2-core CI machine stalled the loop long enough twice (the CI rehearsal of e1381d7).
     claim_idle_ms = 4000
-    await adapter.publish(orders(1))
-    async with RunnerSim(SharedStreamManager(ack_timeout=60)) as runner:
-        runner.add(1, adapter.make_trigger(claim_idle=claim_idle_ms / 1000))
-        await wait_until(lambda: len(runner.pending) == 1, timeout=20, what="the event")
-        # Two and a half claim_idle periods later no other consumer could claim it: its idle time was reset.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 2.5 * claim_idle_ms / 1000
-        while loop.time() < deadline:
-            stolen = await adapter.client.execute_command(
-                "XAUTOCLAIM", adapter.stream, adapter.group, "intruder", claim_idle_ms, "0-0", "JUSTID"
-            )
-            assert not stolen[1], "another consumer could claim the entry while a watcher worked on it"
-            [(_, _, idle, delivered)] = await adapter.pending()
-            assert idle < claim_idle_ms and delivered == 1
-            await asyncio.sleep(0.5)
-        assert len(runner.pending) == 1  # delivered once, not again
-        runner.persist()
-        await wait_until_settled(adapter, timeout=20)
-    assert runner.persisted[1][0]["delivery_attempt"] == 1
+
+    async def nobody_else_has_it() -> None:
+        # No other consumer can claim it: its idle time is reset before it reaches claim_idle.
+        stolen = await adapter.client.execute_command(
+            "XAUTOCLAIM", adapter.stream, adapter.group, "intruder", claim_idle_ms, "0-0", "JUSTID"
+        )
+        assert not stolen[1], "another consumer could claim the entry while a watcher worked on it"
+        [(_, _, idle, delivered)] = await adapter.pending()
+        assert idle < claim_idle_ms and delivered == 1
+
+    trigger = adapter.make_trigger(claim_idle=claim_idle_ms / 1000)
+    await held_under_lease(adapter, trigger, hold_for=2.5 * claim_idle_ms / 1000, nobody_else_has_it=nobody_else_has_it)
 
 
 async def test_a_dead_consumers_entries_are_claimed_after_claim_idle(adapter: RedisAdapter) -> None:

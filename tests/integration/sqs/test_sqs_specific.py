@@ -18,7 +18,7 @@ from airflow.triggers.shared_stream import SharedStreamManager
 from airflow_shared_stream_provider import SharedStreamConfigError
 from airflow_shared_stream_provider.triggers.sqs import SqsSharedStreamTrigger
 from devkit.runner import RunnerSim, wait_until
-from tests.integration.contract import orders, wait_until_async, wait_until_settled
+from tests.integration.contract import held_under_lease, orders, wait_until_async, wait_until_settled
 from tests.integration.crash import crashing
 from tests.integration.sqs.conftest import SqsAdapter
 
@@ -62,23 +62,14 @@ async def test_deleted_only_after_every_watcher_persisted(adapter: SqsAdapter) -
 
 
 async def test_visibility_is_extended_while_a_watcher_works(adapter: SqsAdapter) -> None:
-    await adapter.publish(orders(1))
-    manager = SharedStreamManager(ack_timeout=60)
-    async with RunnerSim(manager) as runner:
-        runner.add(1, adapter.make_trigger(visibility_timeout=2))
-        await wait_until(lambda: len(runner.pending) == 1, timeout=20, what="the event")
-        # Two and a half visibility timeouts later the message is still hidden: the lease keeper extended it.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5.0
-        while loop.time() < deadline:
-            assert await adapter.counts() == (0, 1), "the message became visible while the watcher worked"
-            probe = await adapter.client.receive_message(QueueUrl=adapter.queue_url, WaitTimeSeconds=0)
-            assert not probe.get("Messages"), "another consumer could receive the message"
-            await asyncio.sleep(0.5)
-        assert len(runner.pending) == 1  # delivered once, not again
-        runner.persist()
-        await wait_until_settled(adapter, timeout=20)
-    assert runner.persisted[1][0]["delivery_attempt"] == 1
+    async def nobody_else_has_it() -> None:
+        # Still hidden after two and a half visibility timeouts: the lease keeper extended it.
+        assert await adapter.counts() == (0, 1), "the message became visible while the watcher worked"
+        probe = await adapter.client.receive_message(QueueUrl=adapter.queue_url, WaitTimeSeconds=0)
+        assert not probe.get("Messages"), "another consumer could receive the message"
+
+    trigger = adapter.make_trigger(visibility_timeout=2)
+    await held_under_lease(adapter, trigger, hold_for=5.0, nobody_else_has_it=nobody_else_has_it)
 
 
 async def test_messages_come_back_after_a_crash(adapter: SqsAdapter) -> None:
