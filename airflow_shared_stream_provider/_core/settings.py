@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, final
 
 from airflow_shared_stream_provider._core.batching import DEFAULT_BATCH_TIMEOUT, MAX_BATCH_SIZE
 from airflow_shared_stream_provider._core.dispositions import DEFAULT_MAX_DELIVERY_ATTEMPTS
@@ -64,6 +64,7 @@ class StreamSettings:
     batch_size: int = 1
     batch_timeout: float = DEFAULT_BATCH_TIMEOUT
 
+    @final  # a broker's settings class writes check() (below) instead
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             allow_none = _TEXT_TYPES.get(f.type)
@@ -90,6 +91,14 @@ class StreamSettings:
             raise SharedStreamConfigError(f"batch_size must be an int, got {self.batch_size!r}")
         self.require_number("batch_size", self.batch_size, minimum=1, maximum=MAX_BATCH_SIZE)
         self.require_number("batch_timeout", self.batch_timeout, minimum=0, maximum=60)
+        self.check()
+
+    def check(self) -> None:
+        """
+        The broker's own checks, run after the ones above (every broker's settings, and every
+        text field by its type). A broker overrides this, not ``__post_init__``: the common checks
+        then cannot be skipped by a subclass that forgets to call them.
+        """
 
     def position_scope(self) -> Hashable | None:
         """

@@ -52,8 +52,7 @@ class KafkaStreamSettings(StreamSettings):
     hold_backoff: float = 1.0
     position_store: PositionStore = "watchers"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check(self) -> None:
         if isinstance(self.topics, str) or not self.topics:
             raise SharedStreamConfigError(f"topics must be a non-empty list of topic names, got {self.topics!r}")
         for topic in self.topics:

@@ -107,8 +107,7 @@ class PubSubStreamSettings(StreamSettings):
     ack_deadline_seconds: int = DEFAULT_ACK_DEADLINE_SECONDS
     ack_flush_interval: float = DEFAULT_ACK_FLUSH_INTERVAL
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check(self) -> None:
         path_project, _ = split_subscription(self.subscription)
         if self.project_id is not None:
             _check_project("project_id", self.project_id)

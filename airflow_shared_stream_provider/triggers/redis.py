@@ -61,8 +61,7 @@ class RedisStreamSettings(StreamSettings):
     read_count: int = 100
     hold_backoff: float = 1.0
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check(self) -> None:
         if self.dead_letter_stream == self.stream:
             raise SharedStreamConfigError(
                 f"dead_letter_stream must differ from stream ({self.stream!r}): every rejected entry would be "

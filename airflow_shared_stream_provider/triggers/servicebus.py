@@ -88,8 +88,7 @@ class ServiceBusStreamSettings(StreamSettings):
     max_concurrent_sessions: int = DEFAULT_MAX_CONCURRENT_SESSIONS
     session_idle_timeout: float = DEFAULT_SESSION_IDLE_TIMEOUT
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check(self) -> None:
         if self.queue_name is not None:
             if self.topic_name is not None or self.subscription_name is not None:
                 raise SharedStreamConfigError(

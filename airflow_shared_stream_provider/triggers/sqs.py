@@ -107,8 +107,7 @@ class SqsStreamSettings(StreamSettings):
     hold_backoff: int = 1
     reject_backoff: int = 300
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check(self) -> None:
         if not _QUEUE_URL.match(self.queue_url):
             raise SharedStreamConfigError(
                 f"queue_url must be a full SQS queue URL like "

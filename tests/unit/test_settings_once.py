@@ -116,3 +116,10 @@ def test_every_text_setting_refuses_empty_text_with_one_clear_error(spec: Broker
         for blank in ("", "  "):
             with pytest.raises(SharedStreamConfigError, match=rf"^{name}\b"):
                 trigger_class(**{**base, name: blank})
+
+
+@pytest.mark.parametrize("spec", BROKERS, ids=lambda spec: spec.name)
+def test_a_brokers_settings_check_themselves_in_check_not_post_init(spec: BrokerSpec) -> None:
+    """StreamSettings.__post_init__ runs the common checks, then check(): an override would skip them."""
+    _, settings_class = _classes(spec)
+    assert "__post_init__" not in vars(settings_class), f"{spec.settings} overrides __post_init__; write check()"
