@@ -31,7 +31,7 @@ Optional (the default does nothing or the usual thing):
 * ``_check_stream()``: raise to end the stream before the next receive (a background failure).
 * ``_after_empty(received)``: after an empty receive (a pause for a server that answers at once).
 * ``receive_errors`` / ``_fatal_receive_error(exc)`` / ``_receive_outage(exc, failures)`` /
-  ``_receive_backoff()``: which receive errors are retried, which end the stream at once, the
+  ``receive_backoff``: which receive errors are retried, which end the stream at once, the
   error once they outlast the streak, and the waits between the tries.
 * ``max_receive``: the most messages one receive asks for; ``concurrent_receives``: receives in
   flight at once (0: awaited inline); ``receive_ahead``: start the next receive while a received
@@ -349,7 +349,7 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
         await self.cohort_ready()  # before the first receive: see _core/cohort.py
         await self._after_cohort()
         self._receiving()
-        errors = ErrorStreak(self._receive_backoff(), limit=RECEIVE_ERROR_LIMIT)
+        errors = ErrorStreak(self.receive_backoff, limit=RECEIVE_ERROR_LIMIT)
         # The hooks below call client libraries on this task: a cancellation one loses still ends
         # the loop (see _core/tasks.py), as for the receive itself.
         where = self.source_label()
@@ -500,6 +500,8 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
     receive_ahead: ClassVar[bool] = False
     # The errors a failed receive raises (retried unless _fatal_receive_error says otherwise);
     # any other error of a receive ends the stream.
+    # The waits between failed receives (read at each streak's start: tests shorten it per class).
+    receive_backoff: ClassVar[Backoff] = RECEIVE_BACKOFF
     receive_errors: ClassVar[tuple[type[BaseException], ...]] = ()
 
     async def _after_cohort(self) -> None:
@@ -536,10 +538,6 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
     def _fatal_receive_error(self, exc: BaseException) -> Exception | None:
         """The error to end the stream with at once (a setting, not an outage), or None: retry."""
         return None
-
-    def _receive_backoff(self) -> Backoff:
-        """The waits between failed receives (a broker module may keep its own, tests shorten it)."""
-        return RECEIVE_BACKOFF
 
     def _receive_outage(self, exc: BaseException, failures: int) -> Exception:
         """The error ending the stream after ``failures`` failed receives in a row (an outage)."""

@@ -81,14 +81,13 @@ from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.logsafe import REASON_LOG_LIMIT, log_safe
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 from airflow_shared_stream_provider._core.producer import (
-    RECEIVE_BACKOFF,
     RECEIVE_ERROR_LIMIT,
     UNSENT,
     Decided,
     Delivery,
     SharedStreamProducerBase,
 )
-from airflow_shared_stream_provider._core.retry import Backoff, ErrorStreak, chunks
+from airflow_shared_stream_provider._core.retry import ErrorStreak, chunks
 from airflow_shared_stream_provider._core.tasks import best_effort
 from airflow_shared_stream_provider.producers.redis_client import (
     CONSUMER_PREFIX,
@@ -114,8 +113,7 @@ from airflow_shared_stream_provider.triggers.redis import RedisStreamSettings
 
 __all__ = ["RedisAdvanceError", "RedisDelivery", "RedisSharedStreamProducer"]
 
-# The waits between failed receives and connects (read at each stream's start: tests shorten them).
-_RECEIVE_BACKOFF: Final = RECEIVE_BACKOFF
+# A connect that fails is retried with the receive loop's waits (receive_backoff, the base's).
 _CLOSE_TIMEOUT: Final = 5.0
 _SCRIPT_BATCH: Final = 500
 """Entries per lease / give-back script call (each costs the server one XPENDING + XCLAIM)."""
@@ -305,9 +303,6 @@ class RedisSharedStreamProducer(SharedStreamProducerBase[RedisStreamSettings, Re
             return list(zip(entries, counts, strict=True))
         return [(entry, 1) for entry in await self._read(count, self._block_seconds())]
 
-    def _receive_backoff(self) -> Backoff:
-        return _RECEIVE_BACKOFF
-
     def _fatal_receive_error(self, exc: BaseException) -> Exception | None:
         return None if is_transient(exc) else self._explain(exc)
 
@@ -357,7 +352,7 @@ class RedisSharedStreamProducer(SharedStreamProducerBase[RedisStreamSettings, Re
 
     async def _connect_with_retries(self) -> None:
         """Connect and check the group; a server that does not answer is retried like a receive."""
-        errors = ErrorStreak(_RECEIVE_BACKOFF, limit=RECEIVE_ERROR_LIMIT)
+        errors = ErrorStreak(self.receive_backoff, limit=RECEIVE_ERROR_LIMIT)
         while True:
             try:
                 await self._connect()

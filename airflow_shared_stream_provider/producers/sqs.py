@@ -83,14 +83,13 @@ from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
 from airflow_shared_stream_provider._core.logsafe import REASON_LOG_LIMIT, log_safe
 from airflow_shared_stream_provider._core.producer import (
-    RECEIVE_BACKOFF,
     UNSENT,
     Decided,
     Delivery,
     Received,
     SharedStreamProducerBase,
 )
-from airflow_shared_stream_provider._core.retry import Backoff, chunks
+from airflow_shared_stream_provider._core.retry import chunks
 from airflow_shared_stream_provider._core.tasks import best_effort
 from airflow_shared_stream_provider.producers.sqs_client import (
     AWS_ERRORS,
@@ -108,8 +107,6 @@ from airflow_shared_stream_provider.triggers.sqs import SqsStreamSettings
 # SqsAdvanceError lives with the batch calls in sqs_client; it stays importable from here.
 __all__ = ["SqsAdvanceError", "SqsDelivery", "SqsSharedStreamProducer"]
 
-# The waits between failed receives (read at each stream's start: tests shorten them).
-_RECEIVE_BACKOFF: Final = RECEIVE_BACKOFF
 _CLOSE_RELEASE_TIMEOUT: Final = 5.0
 _HOLD_MEMORY: Final = 10_000
 _FIFO_RELEASE: Final = Decision(Disposition.REDELIVER, "released to keep FIFO order behind a redelivered message")
@@ -203,9 +200,6 @@ class SqsSharedStreamProducer(SharedStreamProducerBase[SqsStreamSettings, SqsDel
     async def _receive(self, count: int) -> Received:
         started, messages = await self._api.receive(self._client, count)
         return Received(messages, started=started)
-
-    def _receive_backoff(self) -> Backoff:
-        return _RECEIVE_BACKOFF
 
     def _fatal_receive_error(self, exc: BaseException) -> Exception | None:
         if is_transient(exc):

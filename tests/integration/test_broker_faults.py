@@ -486,7 +486,7 @@ async def test_sqs_outage_past_the_receive_streak_is_a_broker_error_not_a_config
     its pauses are shortened (0.1-0.2 s instead of 1-8 s) and botocore makes one attempt per call
     (``config_kwargs.retries``, instead of 3 with 1-2 s jittered pauses).
     """
-    monkeypatch.setattr(sqs_producer, "_RECEIVE_BACKOFF", Backoff(0.1, cap=0.2))
+    monkeypatch.setattr(sqs_producer.SqsSharedStreamProducer, "receive_backoff", Backoff(0.1, cap=0.2))
     sqs_connection(monkeypatch, SQS_CONN_ID, sqs_target.faults.proxied, config_kwargs={"retries": {"max_attempts": 1}})
     past_streak = harness.Fault("refuse-past-streak", "refuse", harness.FAULT_SECONDS)
     report = await harness.assert_fault_loses_nothing(sqs_target, past_streak)

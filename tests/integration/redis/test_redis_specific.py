@@ -428,13 +428,12 @@ async def test_a_lapsed_lease_is_not_broadcast_again_nor_counted(
 async def test_an_unreachable_server_fails_the_group_as_unavailable_not_misconfigured(
     adapter: RedisAdapter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import airflow_shared_stream_provider.producers.redis as producer_module
     import airflow_shared_stream_provider.producers.redis_client as client_module
     from airflow_shared_stream_provider._core.errors import BrokerUnavailableError
     from airflow_shared_stream_provider._core.retry import Backoff
     from devkit.ports import free_port
 
-    monkeypatch.setattr(producer_module, "_RECEIVE_BACKOFF", Backoff(0.01))  # the 1-2-4-8 s waits, shortened
+    monkeypatch.setattr(RedisSharedStreamProducer, "receive_backoff", Backoff(0.01))  # the 1-2-4-8 s waits, shortened
     monkeypatch.setattr(client_module, "CLIENT_RETRIES", 0)  # and redis-py's own retries of each call
     port = free_port()  # nothing listens there
     monkeypatch.setenv(
