@@ -270,8 +270,16 @@ def text_attributes(items: Mapping[Any, Any] | Sequence[tuple[Any, Any]] | None)
     return {text_value(key): text_value(value) for key, value in pairs}
 
 
+# What an epoch number outside a datetime's range raises (year 1-9999, the platform's time_t, NaN).
+_OUT_OF_RANGE: Final = (ValueError, OverflowError, OSError)
+
+
 def iso_timestamp(value: datetime | float | int | None, *, unit: Literal["s", "ms"] = "s") -> str | None:
-    """ISO-8601 UTC text for a datetime or an epoch number (seconds or milliseconds)."""
+    """
+    ISO-8601 UTC text for a datetime or an epoch number (seconds or milliseconds), or None for a
+    number no datetime can hold: a stamp comes from the broker or the sender (a Kafka record's
+    CreateTime is any int64), and an impossible one is no reason to refuse the message.
+    """
     if value is None:
         return None
     if unit == "ms" and isinstance(value, int):
@@ -279,8 +287,11 @@ def iso_timestamp(value: datetime | float | int | None, *, unit: Literal["s", "m
     if isinstance(value, datetime):
         moment = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
     else:
-        seconds = float(value) / 1000.0 if unit == "ms" else float(value)
-        moment = datetime.fromtimestamp(seconds, tz=timezone.utc)
+        try:
+            seconds = float(value) / 1000.0 if unit == "ms" else float(value)
+            moment = datetime.fromtimestamp(seconds, tz=timezone.utc)
+        except _OUT_OF_RANGE:
+            return None
     return moment.astimezone(timezone.utc).isoformat()
 
 
@@ -288,11 +299,12 @@ _second_cache: tuple[int, str] = (-1, "")
 _last_stamp: tuple[int, str] = (-1, "")
 
 
-def iso_from_epoch_ms(milliseconds: int) -> str:
+def iso_from_epoch_ms(milliseconds: int) -> str | None:
     """
     ``iso_timestamp(milliseconds, unit="ms")`` without a datetime per call (Kafka and SQS stamp
     every message in epoch milliseconds; consecutive messages share their second, and messages
-    of one producer batch often their millisecond: both are cached).
+    of one producer batch often their millisecond: both are cached). None outside a datetime's
+    range (see :func:`iso_timestamp`).
 
     Exact integer arithmetic, same text as ``datetime.isoformat()``: no fraction when the
     milliseconds are zero, else six digits.
@@ -304,7 +316,10 @@ def iso_from_epoch_ms(milliseconds: int) -> str:
     seconds, millis = divmod(milliseconds, 1000)
     cached_second, prefix = _second_cache
     if seconds != cached_second:
-        prefix = datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()[: -len("+00:00")]
+        try:
+            prefix = datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()[: -len("+00:00")]
+        except _OUT_OF_RANGE:
+            return None
         _second_cache = (seconds, prefix)
     text = f"{prefix}.{millis:03d}000+00:00" if millis else prefix + "+00:00"
     _last_stamp = (milliseconds, text)

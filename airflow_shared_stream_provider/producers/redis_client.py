@@ -57,9 +57,6 @@ with jitter): a short blip (a failover, a restart) never reaches the stream. Set
 left to the library's default, which changes between redis-py versions; what outlasts them is the
 receive loop's error streak (:mod:`.redis`).
 """
-# Largest millisecond part of an entry id that is a datetime (9999-12-31): explicit ids may be
-# anything up to 2**64 - 1, which is no date.
-_MAX_DATE_MS: Final = 253_402_300_799_999
 _SSL_EXTRAS: Final = (
     "ssl",
     "ssl_cert_reqs",
@@ -300,12 +297,14 @@ def entries_of(reply: Any) -> list[Entry]:
 
 
 def published_at(entry_id: str) -> str | None:
-    """The millisecond part of an entry id as ISO-8601 (the server's clock when XADD made the id), or None."""
+    """
+    The millisecond part of an entry id as ISO-8601 (the server's clock when XADD made the id), or
+    None: an explicit id may be anything up to 2**64 - 1, which is no date.
+    """
     milliseconds, _, _ = entry_id.partition("-")
     if not milliseconds.isdigit():
         return None
-    value = int(milliseconds)
-    return iso_from_epoch_ms(value) if value <= _MAX_DATE_MS else None
+    return iso_from_epoch_ms(int(milliseconds))
 
 
 def split_fields(fields: Sequence[bytes], body_field: bytes) -> tuple[bytes | None, dict[str, str]]:

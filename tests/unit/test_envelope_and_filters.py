@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from hypothesis import given
@@ -78,6 +78,30 @@ def test_epoch_millisecond_caches_never_mix_neighbouring_stamps(base: int, steps
         milliseconds = base + step
         expected = (datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(milliseconds=milliseconds)).isoformat()
         assert iso_from_epoch_ms(milliseconds) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "unit"),
+    [
+        (2**62, "ms"),  # a Kafka CreateTime is any int64: year 146 million
+        (2**63 - 1, "ms"),
+        (-(2**62), "ms"),
+        (253_402_300_800_000, "ms"),  # the first millisecond of the year 10000
+        (2**62, "s"),  # a Pub/Sub publish_time's seconds (OSError on this platform's time_t)
+        (1e300, "s"),
+        (float("nan"), "s"),
+        (float("inf"), "ms"),
+    ],
+)
+def test_a_stamp_no_datetime_can_hold_is_none_not_an_error(value: float, unit: Literal["s", "ms"]) -> None:
+    assert iso_timestamp(value, unit=unit) is None
+    if isinstance(value, int) and unit == "ms":
+        assert iso_from_epoch_ms(value) is None
+        assert iso_from_epoch_ms(1_700_000_000_000) == "2023-11-14T22:13:20+00:00"  # the caches still work after it
+
+
+def test_the_last_millisecond_a_datetime_holds_still_renders() -> None:
+    assert iso_from_epoch_ms(253_402_300_799_999) == "9999-12-31T23:59:59.999000+00:00"
 
 
 def test_headers_become_text_with_base64_for_binary_values() -> None:

@@ -124,7 +124,11 @@ async def publish_raw_records(
     *,
     corrupt_crc: bool = False,
     gzip: bool = False,
+    timestamp_ms: int | None = None,
 ) -> int:
-    """Produce ``records`` as one batch (gzip-compressed if asked); return the offset of the first one."""
-    batch = encode_batch(records, corrupt_crc=corrupt_crc, gzip=gzip)
+    """
+    Produce ``records`` as one batch (gzip-compressed if asked; stamped ``timestamp_ms``, default
+    now); return the offset of the first one.
+    """
+    batch = encode_batch(records, timestamp_ms=timestamp_ms, corrupt_crc=corrupt_crc, gzip=gzip)
     return await publish_raw_batch(bootstrap, topic, partition, batch)

@@ -89,6 +89,28 @@ async def test_a_non_utf8_header_key_is_delivered_as_base64_with_its_batch_mates
     assert await adapter.dead_lettered() == []
 
 
+async def test_a_record_stamped_beyond_any_date_is_delivered_without_a_stamp(adapter: KafkaAdapter) -> None:
+    # A record's CreateTime is any int64 its producer writes; year 146 million is no datetime.
+    # Before: building the envelope raised, and the record was dead-lettered as if it were poison.
+    await publish_raw_records(
+        adapter.bootstrap, adapter.topic, 0, [RawRecord(order(0)), RawRecord(order(1))], timestamp_ms=2**62
+    )
+    await adapter.publish([order(2)], partition=0)
+    manager = SharedStreamManager(ack_timeout=60)
+    async with RunnerSim(manager, confirm_interval=0.05) as runner:
+        runner.add(1, adapter.make_trigger())
+        runner.add(2, adapter.make_trigger())
+        await wait_until(lambda: runner.count(1) == 3 and runner.count(2) == 3, timeout=30, what="3 events each")
+        await wait_until_async(lambda: settled(adapter), timeout=30)
+        assert not runner.failures
+    for trigger_id in (1, 2):
+        events = by_offset(runner, trigger_id)
+        assert [events[o]["body"]["order_id"] for o in range(3)] == [0, 1, 2]
+        assert events[0]["published_at"] is None and events[1]["published_at"] is None
+        assert events[2]["published_at"] is not None
+    assert await adapter.dead_lettered() == []
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"position_store": "group"}, {"batch_size": 10, "batch_timeout": 0.2}],
