@@ -500,9 +500,9 @@ class SharedStreamProducerBase(SharedStreamProducer, abc.ABC, Generic[SettingsT,
     receive_ahead: ClassVar[bool] = False
     # The errors a failed receive raises (retried unless _fatal_receive_error says otherwise);
     # any other error of a receive ends the stream.
+    receive_errors: ClassVar[tuple[type[BaseException], ...]] = ()
     # The waits between failed receives (read at each streak's start: tests shorten it per class).
     receive_backoff: ClassVar[Backoff] = RECEIVE_BACKOFF
-    receive_errors: ClassVar[tuple[type[BaseException], ...]] = ()
 
     async def _after_cohort(self) -> None:
         """
