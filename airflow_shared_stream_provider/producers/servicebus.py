@@ -447,7 +447,10 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
         self._unsettled.add(lock_token, raw, lease_expires_at=expires_at)
         fields = envelope_fields(raw, entity_path=self.entity_path)
         envelope, forced = self.envelope(**fields)
-        lane: Hashable = raw.session_id if raw.session_id else raw.sequence_number
+        # The session is the lane; a group-id a sender's encoder wrote as another AMQP type than a
+        # string (a list is not even hashable) is no session: the message is its own lane.
+        session = raw.session_id
+        lane: Hashable = session if isinstance(session, str | bytes) and session else raw.sequence_number
         delivery = ServiceBusDelivery(UNSENT, fields["delivery_attempt"], raw, lock_token, lane)
         return delivery, envelope, forced, fields["body"]
 

@@ -11,7 +11,7 @@ Both modules import this one and it imports neither, so they do not import each 
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Final, Protocol
@@ -181,7 +181,42 @@ def message_body(message: ServiceBusReceivedMessage) -> bytes | str | None:
 
 
 def envelope_fields(message: ServiceBusReceivedMessage, *, entity_path: str) -> dict[str, Any]:
-    """The envelope arguments of one received message (everything but size handling)."""
+    """
+    The envelope arguments of one received message (everything but size handling).
+
+    Read in the receive loop, before the base's envelope guard: whatever reading a property raises
+    must not end the stream. AMQP fixes each section's type (application-properties is a map), but
+    the SDK hands on what a sender's encoder wrote, and encoders other than Azure's write other
+    types. Such a message goes to the guard as ``unreadable`` with only what the broker itself set
+    (its sequence number and delivery count): every watcher rejects it and it is dead-lettered
+    intact, with ``envelope failed: <ExcType>: ...`` as the reason.
+    """
+    try:
+        return _readable_fields(message, entity_path=entity_path)
+    except Exception as exc:
+        sequence_number = _broker_int(lambda: message.sequence_number)
+        return {
+            "source": entity_path,
+            "message_id": f"{entity_path}/{sequence_number}",
+            "body": None,
+            "unreadable": exc,
+            "attributes": {},
+            "published_at": None,
+            "delivery_attempt": (_broker_int(lambda: message.delivery_count) or 0) + 1,
+            "metadata": {"entity_path": entity_path, "sequence_number": sequence_number},
+        }
+
+
+def _broker_int(read: Callable[[], Any]) -> int | None:
+    """A number the broker sets (sequence number, delivery count), or None if it cannot be read."""
+    try:
+        value = read()
+    except Exception:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _readable_fields(message: ServiceBusReceivedMessage, *, entity_path: str) -> dict[str, Any]:
     sequence_number = message.sequence_number
     delivery_count = message.delivery_count or 0
     message_id = message.message_id

@@ -376,6 +376,29 @@ async def test_a_value_body_that_cannot_become_json_is_dead_lettered_and_the_str
     assert ("complete", 2, None, None) in fake.actions
 
 
+async def test_properties_the_envelope_cannot_read_dead_letter_the_message_and_the_stream_goes_on(
+    fake: FakeReceiver,
+) -> None:
+    # AMQP's application-properties section is a map, but the SDK hands on whatever a sender's
+    # encoder wrote there (a list here). Before: reading it raised in _to_delivery, outside the
+    # envelope guard, and ended the stream for every watcher; the message came back at each restart.
+    odd = FakeMessage(b'{"kind": "odd"}', seq=1)
+    odd.application_properties = [1, 2, 3]  # type: ignore[assignment]
+    odd.session_id = [4, 5]  # type: ignore[assignment]  # group-id is a string in AMQP; a list is no lane
+    fake.publish(odd)
+    fake.publish(FakeMessage(body(2, "eu"), seq=2))
+    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.01) as runner:
+        runner.add(1, fake_trigger())
+        runner.add(2, fake_trigger())
+        await wait_until(lambda: len(fake.actions) == 2, timeout=10, what="2 settlements")
+        assert not runner.failures
+    assert runner.count(1) == runner.count(2) == 1  # the good message, at both watchers
+    dead = [action for action in fake.actions if action[0] == "dead_letter"]
+    assert [(name, seq) for name, seq, _, _ in dead] == [("dead_letter", 1)]
+    assert "envelope failed: TypeError" in str(dead[0][3])
+    assert ("complete", 2, None, None) in fake.actions
+
+
 async def test_ack_timeout_abandons_and_the_poison_cap_dead_letters(fake: FakeReceiver) -> None:
     now = [0.0]
     fake.publish(FakeMessage(body(1), seq=1, delivery_count=0))
