@@ -356,12 +356,12 @@ def deep_value(depth: int) -> list[Any]:
     return value
 
 
-async def test_a_value_body_that_cannot_become_json_is_dead_lettered_and_the_stream_goes_on(
-    fake: FakeReceiver,
-) -> None:
-    unreadable = FakeMessage(b"", seq=1)
-    unreadable.body_type = AmqpMessageBodyType.VALUE
-    unreadable.body = deep_value(20_000)  # json_safe / json.dumps raise RecursionError on it
+async def assert_dead_lettered_alone(fake: FakeReceiver, unreadable: FakeMessage, error: str) -> None:
+    """
+    ``unreadable`` (seq 1), then a good message (seq 2), to two watchers on the real manager: the
+    first is dead-lettered with ``envelope failed: <error>``, the second reaches both watchers and
+    is completed, and no watcher fails (the stream goes on).
+    """
     fake.publish(unreadable)
     fake.publish(FakeMessage(body(2, "eu"), seq=2))
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.01) as runner:
@@ -372,8 +372,17 @@ async def test_a_value_body_that_cannot_become_json_is_dead_lettered_and_the_str
     assert runner.count(1) == runner.count(2) == 1  # the good message, at both watchers
     dead = [action for action in fake.actions if action[0] == "dead_letter"]
     assert [(name, seq) for name, seq, _, _ in dead] == [("dead_letter", 1)]
-    assert "envelope failed: RecursionError" in str(dead[0][3])
+    assert f"envelope failed: {error}" in str(dead[0][3])
     assert ("complete", 2, None, None) in fake.actions
+
+
+async def test_a_value_body_that_cannot_become_json_is_dead_lettered_and_the_stream_goes_on(
+    fake: FakeReceiver,
+) -> None:
+    unreadable = FakeMessage(b"", seq=1)
+    unreadable.body_type = AmqpMessageBodyType.VALUE
+    unreadable.body = deep_value(20_000)  # json_safe / json.dumps raise RecursionError on it
+    await assert_dead_lettered_alone(fake, unreadable, "RecursionError")
 
 
 async def test_properties_the_envelope_cannot_read_dead_letter_the_message_and_the_stream_goes_on(
@@ -385,18 +394,7 @@ async def test_properties_the_envelope_cannot_read_dead_letter_the_message_and_t
     odd = FakeMessage(b'{"kind": "odd"}', seq=1)
     odd.application_properties = [1, 2, 3]  # type: ignore[assignment]
     odd.session_id = [4, 5]  # type: ignore[assignment]  # group-id is a string in AMQP; a list is no lane
-    fake.publish(odd)
-    fake.publish(FakeMessage(body(2, "eu"), seq=2))
-    async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.01) as runner:
-        runner.add(1, fake_trigger())
-        runner.add(2, fake_trigger())
-        await wait_until(lambda: len(fake.actions) == 2, timeout=10, what="2 settlements")
-        assert not runner.failures
-    assert runner.count(1) == runner.count(2) == 1  # the good message, at both watchers
-    dead = [action for action in fake.actions if action[0] == "dead_letter"]
-    assert [(name, seq) for name, seq, _, _ in dead] == [("dead_letter", 1)]
-    assert "envelope failed: TypeError" in str(dead[0][3])
-    assert ("complete", 2, None, None) in fake.actions
+    await assert_dead_lettered_alone(fake, odd, "TypeError")
 
 
 async def test_ack_timeout_abandons_and_the_poison_cap_dead_letters(fake: FakeReceiver) -> None:

@@ -42,8 +42,16 @@ def producers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[KafkaSharedStrea
     yield record_producers(monkeypatch, KafkaSharedStreamProducer)
 
 
-async def publish_raw(adapter: KafkaAdapter, *records: RawRecord, corrupt_crc: bool = False, gzip: bool = False) -> int:
-    return await publish_raw_records(adapter.bootstrap, adapter.topic, 0, records, corrupt_crc=corrupt_crc, gzip=gzip)
+async def publish_raw(
+    adapter: KafkaAdapter,
+    *records: RawRecord,
+    corrupt_crc: bool = False,
+    gzip: bool = False,
+    timestamp_ms: int | None = None,
+) -> int:
+    return await publish_raw_records(
+        adapter.bootstrap, adapter.topic, 0, records, corrupt_crc=corrupt_crc, gzip=gzip, timestamp_ms=timestamp_ms
+    )
 
 
 async def settled(adapter: KafkaAdapter) -> bool:
@@ -63,6 +71,20 @@ def by_offset(runner: RunnerSim, trigger_id: int) -> dict[int, dict[str, Any]]:
     return {message["metadata"]["offset"]: message for message in messages(runner, trigger_id)}
 
 
+async def delivered_to_two_watchers(adapter: KafkaAdapter, count: int) -> RunnerSim:
+    """Two watchers of one stream, run until each fired ``count`` events and the partition is committed past them."""
+    manager = SharedStreamManager(ack_timeout=60)
+    async with RunnerSim(manager, confirm_interval=0.05) as runner:
+        runner.add(1, adapter.make_trigger())
+        runner.add(2, adapter.make_trigger())
+        await wait_until(
+            lambda: runner.count(1) == count and runner.count(2) == count, timeout=30, what=f"{count} events each"
+        )
+        await wait_until_async(lambda: settled(adapter), timeout=30)
+        assert not runner.failures
+    return runner
+
+
 async def test_a_non_utf8_header_key_is_delivered_as_base64_with_its_batch_mates(adapter: KafkaAdapter) -> None:
     await adapter.publish([order(0)], partition=0)
     first = await publish_raw(
@@ -73,13 +95,7 @@ async def test_a_non_utf8_header_key_is_delivered_as_base64_with_its_batch_mates
     )
     await adapter.publish([order(4)], partition=0)
     assert first == 1
-    manager = SharedStreamManager(ack_timeout=60)
-    async with RunnerSim(manager, confirm_interval=0.05) as runner:
-        runner.add(1, adapter.make_trigger())
-        runner.add(2, adapter.make_trigger())
-        await wait_until(lambda: runner.count(1) == 5 and runner.count(2) == 5, timeout=30, what="5 events each")
-        await wait_until_async(lambda: settled(adapter), timeout=30)
-        assert not runner.failures
+    runner = await delivered_to_two_watchers(adapter, 5)
     for trigger_id in (1, 2):
         events = by_offset(runner, trigger_id)
         assert sorted(events) == [0, 1, 2, 3, 4]
@@ -92,17 +108,9 @@ async def test_a_non_utf8_header_key_is_delivered_as_base64_with_its_batch_mates
 async def test_a_record_stamped_beyond_any_date_is_delivered_without_a_stamp(adapter: KafkaAdapter) -> None:
     # A record's CreateTime is any int64 its producer writes; year 146 million is no datetime.
     # Before: building the envelope raised, and the record was dead-lettered as if it were poison.
-    await publish_raw_records(
-        adapter.bootstrap, adapter.topic, 0, [RawRecord(order(0)), RawRecord(order(1))], timestamp_ms=2**62
-    )
+    await publish_raw(adapter, RawRecord(order(0)), RawRecord(order(1)), timestamp_ms=2**62)
     await adapter.publish([order(2)], partition=0)
-    manager = SharedStreamManager(ack_timeout=60)
-    async with RunnerSim(manager, confirm_interval=0.05) as runner:
-        runner.add(1, adapter.make_trigger())
-        runner.add(2, adapter.make_trigger())
-        await wait_until(lambda: runner.count(1) == 3 and runner.count(2) == 3, timeout=30, what="3 events each")
-        await wait_until_async(lambda: settled(adapter), timeout=30)
-        assert not runner.failures
+    runner = await delivered_to_two_watchers(adapter, 3)
     for trigger_id in (1, 2):
         events = by_offset(runner, trigger_id)
         assert [events[o]["body"]["order_id"] for o in range(3)] == [0, 1, 2]
