@@ -96,31 +96,6 @@ def test_bad_subscriptions_are_refused_at_parse_time(bad: str) -> None:
         trigger(subscription=bad)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"project_id": "proj-b"}, "project_id"),
-        ({"subscription": ""}, "subscription"),
-        ({"dead_letter_topic": "projects/p/subscriptions/x-abc"}, "dead_letter_topic"),
-        ({"max_messages": 0}, "max_messages"),
-        ({"max_messages": 1001}, "max_messages"),
-        ({"max_messages": True}, "max_messages"),
-        ({"pull_timeout": 0}, "pull_timeout"),
-        ({"ack_deadline_seconds": 5}, "ack_deadline_seconds"),
-        ({"ack_deadline_seconds": 601}, "ack_deadline_seconds"),
-        ({"ack_deadline_seconds": 30.5}, "ack_deadline_seconds"),
-        ({"ack_flush_interval": -1}, "ack_flush_interval"),
-        ({"gcp_conn_id": ""}, "gcp_conn_id"),
-        ({"max_delivery_attempts": 0}, "max_delivery_attempts"),
-        ({"on_filter_error": "explode"}, "on_filter_error"),
-        ({"match": {"body.x": {"nested": 1}}}, "match"),
-    ],
-)
-def test_config_errors_name_the_setting(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(SharedStreamConfigError, match=match):
-        trigger(**kwargs)
-
-
 def test_short_names_resolve_against_the_connection_project() -> None:
     settings = PubSubSharedStreamTrigger(subscription="orders-sub", dead_letter_topic="dead").settings
     path = settings.subscription_path("conn-proj")

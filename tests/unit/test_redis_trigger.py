@@ -1,51 +1,10 @@
-"""RedisSharedStreamTrigger: identity (key, serialize), parse-time validation, import hygiene, the connection."""
+"""Redis Streams: the connection and the entry wire format (parse-time errors: test_config_errors_every_broker.py)."""
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Any
 
 import pytest
 
 from airflow_shared_stream_provider import SharedStreamConfigError
-from airflow_shared_stream_provider.triggers.redis import RedisSharedStreamTrigger, RedisStreamSettings
-
-BASE: dict[str, Any] = {"stream": "orders", "redis_conn_id": "redis_prod"}
-
-
-def test_the_key_covers_every_field_the_producer_reads() -> None:
-    """Every ``settings.<name>`` the producer modules read is a settings field (so it is in the key)."""
-    import re
-    from pathlib import Path
-
-    package = Path(__file__).resolve().parents[2] / "airflow_shared_stream_provider" / "producers"
-    read = set()
-    for module in ("redis.py", "redis_client.py"):
-        read |= set(re.findall(r"settings\.([a-z_]+)", (package / module).read_text()))
-    fields = {f.name for f in dataclasses.fields(RedisStreamSettings)}
-    assert read, "the producer reads no settings?"
-    assert read <= fields, f"read by the producer but not in the key: {sorted(read - fields)}"
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"stream": ""}, "stream must be a non-empty string"),
-        ({"dead_letter_stream": "orders"}, "dead_letter_stream must differ from stream"),
-        ({"group": " "}, "group must be a non-empty string"),
-        ({"group_start_id": "latest"}, "group_start_id must be"),
-        ({"claim_idle": 0.5}, "claim_idle must be a number >= 1"),
-        ({"hold_backoff": 40}, "hold_backoff must be <= 30"),
-        ({"read_count": 0}, "read_count must be a number >= 1"),
-        ({"read_count": 1.5}, "read_count must be an int"),
-        ({"block": 0}, "block must be a number >= 0.01"),
-        ({"dead_letter_maxlen": 0}, "dead_letter_maxlen must be a number >= 1"),
-        ({"create_group": "yes"}, "create_group must be True or False"),
-    ],
-)
-def test_config_errors_name_the_setting(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(SharedStreamConfigError, match=message):
-        RedisSharedStreamTrigger(**{**BASE, **kwargs})
 
 
 # -- the connection and the wire format (no server needed) ---------------------------------------------------

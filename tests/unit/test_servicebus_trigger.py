@@ -82,37 +82,6 @@ def test_a_subclass_serializes_under_its_own_path_and_shares_the_stream() -> Non
     assert sub.shared_stream_key() == ServiceBusSharedStreamTrigger(queue_name="orders").shared_stream_key()
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({}, "either queue_name"),
-        ({"queue_name": "q", "topic_name": "t", "subscription_name": "s"}, "not both"),
-        ({"queue_name": "q", "subscription_name": "s"}, "not both"),
-        ({"topic_name": "t"}, "needs subscription_name"),
-        ({"subscription_name": "s"}, "needs topic_name"),
-        ({"queue_name": ""}, "queue_name must be a non-empty string"),
-        ({"queue_name": "q", "prefetch_count": -1}, "prefetch_count"),
-        ({"queue_name": "q", "prefetch_count": True}, "prefetch_count"),
-        ({"queue_name": "q", "max_message_count": 0}, "max_message_count"),
-        ({"queue_name": "q", "max_wait_time": 0}, "max_wait_time"),
-        ({"queue_name": "q", "renew_locks": "yes"}, "renew_locks"),
-        ({"queue_name": "q", "azure_service_bus_conn_id": ""}, "azure_service_bus_conn_id"),
-        ({"queue_name": "q", "max_delivery_attempts": 0}, "max_delivery_attempts"),
-        ({"queue_name": "q", "sessions": "yes"}, "sessions must be True or False"),
-        ({"queue_name": "q", "sessions": True, "max_concurrent_sessions": 0}, "max_concurrent_sessions must be"),
-        ({"queue_name": "q", "sessions": True, "max_concurrent_sessions": 101}, "max_concurrent_sessions must be <="),
-        ({"queue_name": "q", "sessions": True, "max_concurrent_sessions": 2.5}, "max_concurrent_sessions must be an"),
-        ({"queue_name": "q", "sessions": True, "max_concurrent_sessions": True}, "max_concurrent_sessions must be an"),
-        ({"queue_name": "q", "sessions": True, "session_idle_timeout": 0}, "session_idle_timeout must be"),
-        ({"queue_name": "q", "max_concurrent_sessions": 3}, "max_concurrent_sessions=3 only applies to session"),
-        ({"queue_name": "q", "session_idle_timeout": 9.0}, "session_idle_timeout=9.0 only applies to session"),
-    ],
-)
-def test_invalid_arguments_fail_at_parse_time(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(SharedStreamConfigError, match=message):
-        ServiceBusSharedStreamTrigger(**kwargs)
-
-
 def test_entity_path() -> None:
     assert ServiceBusStreamSettings(queue_name="q").entity_path == "q"
     assert ServiceBusStreamSettings(topic_name="t", subscription_name="s").entity_path == "t/Subscriptions/s"

@@ -1,6 +1,6 @@
 """
-KafkaSharedStreamTrigger: its key, parse-time validation and defaults (the rules every broker
-shares are in test_trigger_identity_every_broker.py).
+KafkaSharedStreamTrigger: its key and defaults (the rules every broker shares are in
+test_trigger_identity_every_broker.py, its parse-time errors in test_config_errors_every_broker.py).
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from airflow_shared_stream_provider import SharedStreamConfigError
 from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger
 
 BASE: dict[str, Any] = {"topics": ["orders"], "kafka_config_id": "kafka_prod"}
@@ -31,29 +30,6 @@ def test_spellings_of_one_topic_list_share_the_stream() -> None:
         == KafkaSharedStreamTrigger(topics=["orders", "orders"], kafka_config_id="kafka_prod").shared_stream_key()
     )
     assert RegionOnlyTrigger(**BASE).shared_stream_key() == plain.shared_stream_key()
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"topics": "orders"}, "list of topic names"),
-        ({"topics": []}, "non-empty list"),
-        ({"topics": ["a"], "dlq_topic": "a"}, "must not be one of the watched topics"),
-        ({"topics": ["a"], "match": {"": 1}}, "dotted path"),
-        ({"topics": ["a"], "match": {"body.x": {"nested": 1}}}, "str/int/float/bool/None"),
-        ({"topics": ["a"], "match": {"body.x": []}}, "could never match"),
-        ({"topics": ["a"], "filter_function": "nodots"}, "dotted path"),
-        ({"topics": ["a"], "on_filter_error": "explode"}, "on_filter_error"),
-        ({"topics": ["a"], "oversize_policy": "drop"}, "oversize_policy"),
-        ({"topics": ["a"], "max_payload_bytes": 10}, "max_payload_bytes"),
-        ({"topics": ["a"], "max_delivery_attempts": 0}, "max_delivery_attempts"),
-        ({"topics": ["a"], "poll_timeout": 0}, "poll_timeout"),
-        ({"topics": ["a"], "on_partial_assignment": "ignore"}, "on_partial_assignment"),
-    ],
-)
-def test_bad_arguments_fail_at_parse_time_naming_the_setting(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(SharedStreamConfigError, match=message):
-        KafkaSharedStreamTrigger(**kwargs)
 
 
 def test_unknown_arguments_are_refused() -> None:
