@@ -57,26 +57,6 @@ def test_auto_commit_is_refused_with_the_reason(value: object) -> None:
 
 
 @pytest.mark.parametrize(
-    ("extras", "message"),
-    [
-        ({"bootstrap.servers": "b:9092", "sasl.mechansim": "PLAIN"}, "unsupported Kafka setting 'sasl.mechansim'"),
-        ({}, "no bootstrap.servers"),
-        ({"bootstrap.servers": "b:9092", "security.protocol": "SASL_SSL"}, "needs sasl.mechanism"),
-        ({"bootstrap.servers": "b:9092", "security.protocol": "TLS"}, "security.protocol 'TLS'"),
-        ({"bootstrap.servers": "b:9092", "auto.offset.reset": "smallest"}, "auto.offset.reset 'smallest'"),
-        ({"bootstrap.servers": "b:9092", "session.timeout.ms": "ten"}, "session.timeout.ms='ten' is not valid"),
-        (
-            {"bootstrap.servers": "b:9092", "security.protocol": "SASL_SSL", "sasl.mechanism": "OAUTHBEARER"},
-            "OAUTHBEARER",
-        ),
-    ],
-)
-def test_bad_connections_fail_with_an_error_naming_the_setting(extras: dict[str, object], message: str) -> None:
-    with pytest.raises(SharedStreamConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
-        kafka_client_config("k", extras, trigger_group_id=None, derived_group_id="g")
-
-
-@pytest.mark.parametrize(
     ("trigger_group_id", "extras", "expected", "source"),
     [
         ("from-trigger", {"group.id": "from-connection"}, "from-trigger", "trigger"),

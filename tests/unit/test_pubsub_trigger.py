@@ -341,3 +341,17 @@ async def test_no_pull_for_a_trickle_of_credit_while_the_slowest_watcher_has_a_b
         assert started == [100]
     finally:
         gates.release(made.stream_key, gate)
+
+
+async def test_one_key_source_with_the_emulator_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reader's refusals (two key sources, an IdP grant it cannot honour) are in
+    # test_connection_refusals_every_broker.py; this is the accepted counterpart.
+    from airflow_shared_stream_provider.producers.pubsub_connection import load_gcp_connection
+
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", "127.0.0.1:1")
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_GCP_ONE_UNIT",
+        json.dumps({"conn_type": "google_cloud_platform", "extra": {"key_path": "/k.json", "project": "p1"}}),
+    )
+    connection = await load_gcp_connection("gcp_one_unit")
+    assert (connection.project, connection.credentials) == ("p1", None)

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
-from airflow_shared_stream_provider import SharedStreamConfigError
-
 
 # -- the connection and the wire format (no server needed) ---------------------------------------------------
 def test_the_upstream_redis_connection_is_read_like_redishook() -> None:
@@ -26,12 +22,6 @@ def test_the_upstream_redis_connection_is_read_like_redishook() -> None:
     # Upstream: a password of "none" / "false" / "" is no password; the schema may carry the db number.
     plain = connection_from_fields("r", host=None, port=None, login=None, password="None", schema="5", extras={})
     assert (plain.host, plain.port, plain.db, plain.password) == ("localhost", 6379, 5, None)
-    with pytest.raises(SharedStreamConfigError, match="two different databases"):
-        connection_from_fields("r", host="h", port=1, login=None, password=None, schema="1", extras={"db": 2})
-    with pytest.raises(SharedStreamConfigError, match="ssl_cert_reqs"):
-        connection_from_fields(
-            "r", host="h", port=1, login=None, password="pw", schema=None, extras={"ssl_cert_reqs": "x"}
-        )
 
 
 def test_entry_fields_split_into_body_and_attributes_and_a_dead_letter_copy() -> None:

@@ -123,16 +123,6 @@ def test_namespace_with_managed_identity_and_legacy_prefixed_extras() -> None:
     assert "DefaultAzureCredential" in info.describe()
 
 
-def test_connection_without_anything_usable_names_the_connection() -> None:
-    with pytest.raises(SharedStreamConfigError, match="'sb' has neither a connection string"):
-        connection_info("sb", schema="None", host="", extras={"connection_string": "None"})
-
-
-def test_credential_extra_is_refused_clearly() -> None:
-    with pytest.raises(SharedStreamConfigError, match="'credential' extra is not supported"):
-        connection_info("sb", schema=None, host=None, extras={"credential": "x", "fully_qualified_namespace": "ns"})
-
-
 async def test_connection_is_read_through_the_task_sdk(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIRFLOW_CONN_SB_UNIT", json.dumps({"conn_type": "azure_service_bus", "schema": CONN_STR}))
     info = await sbp.load_connection_info("sb_unit")

@@ -262,34 +262,6 @@ async def test_without_the_amazon_provider_what_needs_it_is_refused_by_name(
     assert named in str(caught.value)
 
 
-REFUSED_ALWAYS: dict[str, tuple[dict[str, Any], str]] = {
-    "unknown assume_role_method": ({"role_arn": ROLE, "assume_role_method": "assume_role_magic"}, "assume_role_magic"),
-    "unknown federation": (
-        {
-            "role_arn": ROLE,
-            "assume_role_method": "assume_role_with_web_identity",
-            "assume_role_with_web_identity_federation": "okta",
-        },
-        "assume_role_with_web_identity_federation 'okta'",
-    ),
-    "profile inside session_kwargs (ignored by the provider)": (
-        {"session_kwargs": {"profile_name": "p"}},
-        "session_kwargs key(s) ['profile_name']",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", REFUSED_ALWAYS, ids=list(REFUSED_ALWAYS))
-async def test_settings_that_would_not_apply_are_refused_by_the_reader(
-    case: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    extra, named = REFUSED_ALWAYS[case]
-    conn_id = set_connection(monkeypatch, "aws_refused_always", extra={"region_name": REGION, **extra})
-    with pytest.raises(SharedStreamConfigError, match="aws_refused_always") as caught:
-        await load_aws_connection(conn_id, service="sqs", region_name=None, fallback_region=None)
-    assert named in str(caught.value)
-
-
 def test_default_role_session_name_is_the_providers() -> None:
     factory = BaseSessionFactory(conn=None)
     for conn_id in ("aws_default", "My Conn/with:odd chars", "ünïcode-conn", "a--b"):
