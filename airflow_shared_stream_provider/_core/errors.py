@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from airflow.exceptions import AirflowOptionalProviderFeatureException
+
+from airflow_shared_stream_provider.brokers import broker_spec
 
 
 class RejectMessage(Exception):  # noqa: N818 - the name reads as an instruction in filter code
@@ -90,10 +95,20 @@ class MissingBrokerSDKError(AirflowOptionalProviderFeatureException, ImportError
     """
 
 
-def missing_dependency(extra: str, package: str, exc: ImportError) -> MissingBrokerSDKError:
-    """Turn an ImportError of a broker SDK into one that says which extra to install."""
-    error = MissingBrokerSDKError(
-        f"{package} is required for this shared stream: pip install 'airflow-shared-stream-provider[{extra}]' ({exc})"
-    )
-    error.__cause__ = exc
-    return error
+@contextlib.contextmanager
+def broker_sdk(broker: str) -> Iterator[None]:
+    """
+    Guard a producer module's broker SDK imports (``with broker_sdk("kafka"): from aiokafka import
+    ...``): an ImportError inside becomes a :class:`MissingBrokerSDKError` that names the missing
+    module and the registry entry's extra to install. The extra comes from the registry, so a
+    module cannot name another broker's extra or one that ``pyproject.toml`` does not declare.
+    """
+    try:
+        yield
+    except ImportError as exc:
+        extra = broker_spec(broker).extra
+        missing = exc.name or "its SDK"
+        error = MissingBrokerSDKError(
+            f"the {broker} shared stream needs {missing}: pip install 'airflow-shared-stream-provider[{extra}]' ({exc})"
+        )
+        raise error from exc

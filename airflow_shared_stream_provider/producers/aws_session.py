@@ -38,10 +38,10 @@ from datetime import datetime
 from typing import Any
 
 from airflow_shared_stream_provider._core.connections import register_secrets
-from airflow_shared_stream_provider._core.errors import SharedStreamConfigError, missing_dependency
+from airflow_shared_stream_provider._core.errors import SharedStreamConfigError, broker_sdk
 from airflow_shared_stream_provider.producers.aws_connection import AwsConnection
 
-try:
+with broker_sdk("sqs"):
     from aiobotocore.config import AioConfig
     from aiobotocore.credentials import (
         AioAssumeRoleWithWebIdentityCredentialFetcher,
@@ -51,8 +51,6 @@ try:
     from aiobotocore.session import AioSession, get_session
     from botocore.credentials import FileWebIdentityTokenLoader
     from botocore.exceptions import BotoCoreError, ClientError
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise missing_dependency("sqs", "aiobotocore", exc) from exc
 
 AMAZON_PROVIDER_MODULE = "airflow.providers.amazon.aws.hooks.base_aws"
 _INVALID_SESSION_NAME = re.compile(r"[^\w+=,.@-]+")

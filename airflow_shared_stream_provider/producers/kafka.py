@@ -85,7 +85,7 @@ from airflow_shared_stream_provider._core.errors import (
     BrokerHandleClosedError,
     PartialAssignmentError,
     SharedStreamConfigError,
-    missing_dependency,
+    broker_sdk,
 )
 from airflow_shared_stream_provider._core.positions import late_join_lookback, position_interval
 from airflow_shared_stream_provider._core.producer import Decided, SharedStreamProducerBase
@@ -103,7 +103,7 @@ from airflow_shared_stream_provider.producers.kafka_lanes import Lane, next_epoc
 from airflow_shared_stream_provider.producers.kafka_placement import WatcherPlacement
 from airflow_shared_stream_provider.triggers.kafka import KafkaStreamSettings
 
-try:
+with broker_sdk("kafka"):
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
     from aiokafka.coordinator.assignors.range import RangePartitionAssignor
     from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
@@ -119,8 +119,6 @@ try:
     from aiokafka.structs import OffsetAndMetadata
 
     from airflow_shared_stream_provider.producers.kafka_records import TolerantReader, Undecodable
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise missing_dependency("kafka", "aiokafka", exc) from exc
 
 # A record too large for the dead-letter topic: refused by the client (max_request_size) or the broker.
 TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)

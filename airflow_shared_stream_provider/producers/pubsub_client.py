@@ -45,20 +45,18 @@ from airflow_shared_stream_provider._core.envelope import iso_timestamp
 from airflow_shared_stream_provider._core.errors import (
     BrokerUnavailableError,
     SharedStreamConfigError,
-    missing_dependency,
+    broker_sdk,
 )
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 from airflow_shared_stream_provider.producers.pubsub_connection import GcpConnection, load_gcp_connection
 
-try:
+with broker_sdk("pubsub"):
     import grpc
     from google.api_core import exceptions as gexc
     from google.api_core.retry import AsyncRetry, if_exception_type
     from google.pubsub_v1 import PublisherAsyncClient, SubscriberAsyncClient
     from google.pubsub_v1.services.publisher.transports.grpc_asyncio import PublisherGrpcAsyncIOTransport
     from google.pubsub_v1.services.subscriber.transports.grpc_asyncio import SubscriberGrpcAsyncIOTransport
-except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise missing_dependency("pubsub", "google-cloud-pubsub", _exc) from _exc
 
 DEFAULT_SUBSCRIPTION_DEADLINE: Final = 10
 EOD_FAILURE_REASON: Final = "EXACTLY_ONCE_ACKID_FAILURE"

@@ -34,16 +34,14 @@ from typing import Any, Final
 from airflow_shared_stream_provider._core.connections import read_connection, read_extras, register_secrets
 from airflow_shared_stream_provider._core.dead_letter import MESSAGE_ID, ORIGINAL_PREFIX, PREFIX, REASON, SOURCE
 from airflow_shared_stream_provider._core.envelope import iso_from_epoch_ms, text_value
-from airflow_shared_stream_provider._core.errors import SharedStreamConfigError, missing_dependency
+from airflow_shared_stream_provider._core.errors import SharedStreamConfigError, broker_sdk
 from airflow_shared_stream_provider.triggers.redis import RedisStreamSettings
 
-try:
+with broker_sdk("redis"):
     from redis import exceptions as redis_errors
     from redis.asyncio import Redis
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialWithJitterBackoff
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise missing_dependency("redis", "redis", exc) from exc
 
 CONSUMER_PREFIX: Final = "airflow-shared-stream:"
 """Consumer names this provider creates in a group (``<prefix><host>:<pid>:<random>``)."""

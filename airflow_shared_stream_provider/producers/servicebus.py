@@ -102,7 +102,7 @@ from airflow_shared_stream_provider._core.errors import (
     BrokerHandleClosedError,
     BrokerUnavailableError,
     SharedStreamConfigError,
-    missing_dependency,
+    broker_sdk,
 )
 from airflow_shared_stream_provider._core.inflight import InFlight
 from airflow_shared_stream_provider._core.lease import LeaseKeeper
@@ -211,10 +211,8 @@ class ServiceBusSharedStreamProducer(SharedStreamProducerBase[ServiceBusStreamSe
                 raise SharedStreamConfigError(
                     f"Service Bus connection {info.conn_id!r}: malformed connection string ({type(exc).__name__})"
                 ) from None
-        try:
+        with broker_sdk("servicebus"):
             from azure.identity.aio import DefaultAzureCredential
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise missing_dependency("servicebus", "azure-identity", exc) from exc
         kwargs: dict[str, str] = {}
         if info.managed_identity_client_id:
             kwargs["managed_identity_client_id"] = info.managed_identity_client_id

@@ -17,18 +17,16 @@ from datetime import datetime, timezone
 from typing import Any, Final, Protocol
 
 from airflow_shared_stream_provider._core.envelope import iso_timestamp, json_safe, text_attributes, text_value
-from airflow_shared_stream_provider._core.errors import missing_dependency
+from airflow_shared_stream_provider._core.errors import broker_sdk
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 from airflow_shared_stream_provider._core.producer import Decided, Delivery
 from airflow_shared_stream_provider.triggers.servicebus import ServiceBusStreamSettings
 
-try:
+with broker_sdk("servicebus"):
     from azure.servicebus import NEXT_AVAILABLE_SESSION, ServiceBusReceivedMessage, ServiceBusReceiveMode
     from azure.servicebus import exceptions as errors
     from azure.servicebus.aio import ServiceBusClient, ServiceBusReceiver
     from azure.servicebus.amqp import AmqpMessageBodyType
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise missing_dependency("servicebus", "azure-servicebus", exc) from exc
 
 __all__ = [
     "LOCK_LOST",

@@ -44,19 +44,17 @@ from airflow_shared_stream_provider._core.envelope import iso_timestamp, text_va
 from airflow_shared_stream_provider._core.errors import (
     BrokerUnavailableError,
     SharedStreamConfigError,
-    missing_dependency,
+    broker_sdk,
 )
 from airflow_shared_stream_provider._core.metrics import StreamCounters
 from airflow_shared_stream_provider._core.retry import Backoff, Retry, retry_entries
 from airflow_shared_stream_provider.producers import aws_connection, aws_session
 from airflow_shared_stream_provider.triggers.sqs import SqsStreamSettings, region_from_queue_url
 
-try:
+with broker_sdk("sqs"):
     from aiobotocore.config import AioConfig
     from aiobotocore.session import AioSession
     from botocore import exceptions as boto
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise missing_dependency("sqs", "aiobotocore", exc) from exc
 
 SQS_BATCH: Final = 10  # entries per batch call, SQS's limit
 MAX_MESSAGE_ATTRIBUTES: Final = 10
