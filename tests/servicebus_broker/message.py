@@ -4,7 +4,9 @@ A received message is split into its sections. Sections the broker never changes
 body, footer) are kept as the exact bytes the sender produced; the header is decoded so its
 ``delivery-count`` can be rewritten; message annotations and application properties are kept as
 raw key/value encodings so entries can be added or replaced without re-encoding the others.
-Delivery annotations are per-hop and are dropped.
+Delivery annotations are per-hop and are dropped. An application-properties section that is not a
+map (a list, say: what a non-Azure AMQP encoder may write) is kept as its exact bytes, for tests of
+what a receiver makes of it; a property the broker sets (a dead-letter reason) replaces it with a map.
 
 Batches (message-format ``0x80013700``) are split into their inner messages by ``split_batch``.
 """
@@ -122,6 +124,8 @@ class StoredMessage:
     locked_until_ms: int = 0
     dead_letter_source: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # An application-properties section of another AMQP type than a map, as the sender wrote it.
+    app_properties_raw: bytes | None = None
 
     # -- decoded views for tests ---------------------------------------------------------
     @property
@@ -162,6 +166,7 @@ class StoredMessage:
             properties=list(self.properties),
             app_properties=dict(self.app_properties),
             body_raw=self.body_raw,
+            app_properties_raw=self.app_properties_raw,
         )
 
     def set_annotation(self, key: str, value: Any) -> None:
@@ -169,6 +174,7 @@ class StoredMessage:
         self.annotations[k] = entry
 
     def set_app_property(self, key: str, value: Any) -> None:
+        self.app_properties_raw = None  # a section that is no map cannot take an entry: a map replaces it
         k, entry = raw_entry(key, value)
         self.app_properties[k] = entry
 
@@ -197,7 +203,9 @@ class StoredMessage:
             encode_raw_map(MESSAGE_ANNOTATIONS, annotations),
             self.properties_raw,
         ]
-        if self.app_properties:
+        if self.app_properties_raw is not None:
+            parts.append(self.app_properties_raw)
+        elif self.app_properties:
             parts.append(encode_raw_map(APP_PROPERTIES, self.app_properties))
         parts.append(self.body_raw)
         return b"".join(parts)
@@ -211,6 +219,7 @@ def parse_message(payload: bytes) -> StoredMessage:
     properties_raw = b""
     properties: list[Any] = []
     app_properties: RawMap = {}
+    app_properties_raw: bytes | None = None
     body_start: int | None = None
     while pos < len(payload):
         code = _section_code(payload, pos)
@@ -228,6 +237,8 @@ def parse_message(payload: bytes) -> StoredMessage:
             properties_raw = payload[pos:end]
             value, _ = decode_value(payload, start)
             properties = list(value) if isinstance(value, list) else []
+        elif code == APP_PROPERTIES and not isinstance(decode_value(payload, start)[0], dict):
+            app_properties_raw = payload[pos:end]
         elif code == APP_PROPERTIES:
             app_properties = parse_raw_map(payload, start)
         elif code != DELIVERY_ANNOTATIONS:
@@ -239,7 +250,9 @@ def parse_message(payload: bytes) -> StoredMessage:
     while check < len(body_raw):
         _section_code(body_raw, check)
         check = skip_value(body_raw, _section_value_start(body_raw, check))
-    return StoredMessage(header, annotations, properties_raw, properties, app_properties, body_raw)
+    return StoredMessage(
+        header, annotations, properties_raw, properties, app_properties, body_raw, app_properties_raw=app_properties_raw
+    )
 
 
 def split_batch(payload: bytes) -> list[bytes]:
