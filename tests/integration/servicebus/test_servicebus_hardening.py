@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from airflow.triggers.shared_stream import SharedStreamManager
@@ -17,7 +17,14 @@ from airflow_shared_stream_provider.triggers.servicebus import ServiceBusSharedS
 from devkit.runner import RunnerSim, wait_until
 from tests.integration.contract import wait_until_async
 from tests.servicebus_broker.codec import Described, ULong, encode_value
-from tests.servicebus_broker.message import APP_PROPERTIES, DATA, PROPERTIES, parse_message
+from tests.servicebus_broker.message import (
+    AMQP_SEQUENCE,
+    AMQP_VALUE,
+    APP_PROPERTIES,
+    DATA,
+    PROPERTIES,
+    parse_message,
+)
 
 from .conftest import ServiceBusEnv
 
@@ -96,46 +103,92 @@ async def test_sender_session_ids_reach_the_log_on_one_line(
         assert "\n" not in line and "\r" not in line and "\x1b" not in line, line
 
 
-def _odd_sections_payload(body: bytes) -> bytes:
-    """
-    An AMQP message whose application-properties section is a list and whose group-id (the
-    session id) is a list: types AMQP does not allow there, which a non-Azure encoder may write.
-    The SDK's sender cannot make them, so the test broker is handed the encoded message directly.
-    """
-    properties = [b"odd-sections-1"] + [None] * 9 + [[4, 5]]  # message-id ... group-id (field 10)
-    return b"".join(
-        encode_value(Described(ULong(section), value))
-        for section, value in ((PROPERTIES, properties), (APP_PROPERTIES, [1, 2, 3]), (DATA, body))
-    )
+def _encoded(*sections: tuple[int, Any]) -> bytes:
+    return b"".join(encode_value(Described(ULong(code), value)) for code, value in sections)
 
 
-async def test_property_sections_of_another_type_are_dead_lettered_through_the_sdk_and_the_stream_goes_on(
-    sb: ServiceBusEnv, sb_conn: str, request: pytest.FixtureRequest
+# The properties section's fields, in order (AMQP 1.0 part 3, 3.2.4).
+PROPERTY_FIELDS: Final = (
+    "message_id",
+    "user_id",
+    "to",
+    "subject",
+    "reply_to",
+    "correlation_id",
+    "content_type",
+    "content_encoding",
+    "absolute_expiry_time",
+    "creation_time",
+    "group_id",
+)
+
+
+def _properties(**fields: Any) -> tuple[int, list[Any]]:
+    """An AMQP properties section: message-id, user-id, to, subject, reply-to, correlation-id, ..."""
+    return PROPERTIES, [fields.get(name) for name in PROPERTY_FIELDS]
+
+
+GOOD_BODY = (DATA, b'{"kind": "odd"}')
+# Sections of types AMQP does not allow where they stand (or allows, but no Azure SDK writes), as a
+# non-Azure encoder may send them. No SDK sender can write them: the test broker is handed the bytes.
+ODD_SECTIONS: dict[str, tuple[bytes, bool]] = {
+    # name: (the encoded message, whether the envelope can carry it: delivered, else dead-lettered)
+    "application-properties as a list, group-id as a list": (
+        _encoded(_properties(message_id=b"odd-1", group_id=[4, 5]), (APP_PROPERTIES, [1, 2, 3]), GOOD_BODY),
+        False,
+    ),
+    "message-id, correlation-id and subject as lists and maps": (
+        _encoded(_properties(message_id=[1, 2], correlation_id={"a": 1}, subject=[b"x"]), GOOD_BODY),
+        True,
+    ),
+    "content-type and expiry of the wrong types": (
+        _encoded(_properties(content_type=[1], absolute_expiry_time="soon", creation_time=b"x"), GOOD_BODY),
+        True,
+    ),
+    "application-property keys that are not strings, values that are maps and lists": (
+        _encoded((APP_PROPERTIES, {1: "int key", b"k": {"nested": [1, 2]}, "list": [None, 1.5]}), GOOD_BODY),
+        True,
+    ),
+    "an amqp-sequence body": (_encoded((AMQP_SEQUENCE, [1, "two", b"three"])), True),
+    "an amqp-value body of a map with binary keys": (_encoded((AMQP_VALUE, {b"\xff": [b"\x00"], 1: None})), True),
+}
+
+
+@pytest.mark.parametrize("case", ODD_SECTIONS, ids=list(ODD_SECTIONS))
+async def test_sections_of_odd_amqp_types_are_delivered_or_dead_lettered_and_the_stream_goes_on(
+    sb: ServiceBusEnv, sb_conn: str, request: pytest.FixtureRequest, case: str
 ) -> None:
     """
-    Through the SDK's receiver: the odd message is dead-lettered with ``envelope failed`` and the
-    good one behind it reaches both watchers (before 59e73bb the envelope raised outside its guard
-    and ended the stream; the unit test drives a fake receiver, this one the SDK's decoding).
+    Through the SDK's receiver, a message with odd section types, then a good one, to two watchers:
+    the odd one is delivered to both or dead-lettered with ``envelope failed``, the good one reaches
+    both, nothing is left unsettled and no watcher fails. The first case ended the stream before
+    59e73bb (the envelope raised outside its guard; the poll failed for every subscriber).
     """
     if not sb.local:
         pytest.skip("the message is handed to the test broker directly (no SDK sender can write it)")
+    payload, deliverable = ODD_SECTIONS[case]
     handle = request.getfixturevalue("servicebus_broker")
     queue = await sb.create_queue("odd-sections", lock_duration=30)
-    odd = parse_message(_odd_sections_payload(b'{"kind": "odd"}'))
+    odd = parse_message(payload)
     handle.call(lambda broker: broker.entity(queue).enqueue(odd))
     await sb.publish(queue, [b'{"kind": "good"}'])
     trigger: dict[str, Any] = {"queue_name": queue, "azure_service_bus_conn_id": sb_conn, "max_wait_time": 0.5}
+    expected = 2 if deliverable else 1
     async with RunnerSim(SharedStreamManager(ack_timeout=60), confirm_interval=0.05) as runner:
         runner.add(1, ServiceBusSharedStreamTrigger(**trigger))
         runner.add(2, ServiceBusSharedStreamTrigger(**trigger))
-        await wait_until(lambda: runner.count(1) == runner.count(2) == 1, timeout=30, what="the good message twice")
+        await wait_until(
+            lambda: runner.count(1) == runner.count(2) == expected, timeout=30, what=f"{expected} events at both"
+        )
 
         async def settled() -> bool:
-            return len(await sb.dead_letters(queue)) == 1 and await sb.unsettled(queue) == 0
+            return await sb.unsettled(queue) == 0 and len(await sb.dead_letters(queue)) == (0 if deliverable else 1)
 
         await wait_until_async(settled, timeout=30)
         assert not runner.failures
-    assert [event["body"] for event in runner.persisted[1]] == [{"kind": "good"}]
-    [dead] = await sb.dead_letters(queue)
-    assert dead.body == b'{"kind": "odd"}'
-    assert dead.description is not None and "envelope failed: TypeError" in dead.description, dead
+    bodies = [event["body"] for event in runner.persisted[1]]
+    assert bodies[-1] == {"kind": "good"}
+    if not deliverable:
+        [dead] = await sb.dead_letters(queue)
+        assert dead.body == b'{"kind": "odd"}'
+        assert dead.description is not None and "envelope failed: TypeError" in dead.description, dead
