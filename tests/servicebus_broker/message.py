@@ -38,6 +38,8 @@ HEADER, DELIVERY_ANNOTATIONS, MESSAGE_ANNOTATIONS, PROPERTIES, APP_PROPERTIES = 
 DATA, AMQP_SEQUENCE, AMQP_VALUE, FOOTER = 0x75, 0x76, 0x77, 0x78
 
 RawMap = dict[Any, tuple[bytes, bytes]]
+RAW_MAP_CONSTRUCTORS = (0x40, 0xC1, 0xD1)
+"""null, map8, map32: the constructors :func:`parse_raw_map` reads (told by one byte, nothing decoded)."""
 
 
 def now_ms() -> int:
@@ -237,7 +239,7 @@ def parse_message(payload: bytes) -> StoredMessage:
             properties_raw = payload[pos:end]
             value, _ = decode_value(payload, start)
             properties = list(value) if isinstance(value, list) else []
-        elif code == APP_PROPERTIES and not isinstance(decode_value(payload, start)[0], dict):
+        elif code == APP_PROPERTIES and payload[start] not in RAW_MAP_CONSTRUCTORS:
             app_properties_raw = payload[pos:end]
         elif code == APP_PROPERTIES:
             app_properties = parse_raw_map(payload, start)

@@ -128,25 +128,26 @@ def _properties(**fields: Any) -> tuple[int, list[Any]]:
     return PROPERTIES, [fields.get(name) for name in PROPERTY_FIELDS]
 
 
-GOOD_BODY = (DATA, b'{"kind": "odd"}')
+# The odd messages' body: valid JSON, so that only their odd sections are hostile.
+ODD_BODY = (DATA, b'{"kind": "odd"}')
 # Sections of types AMQP does not allow where they stand (or allows, but no Azure SDK writes), as a
 # non-Azure encoder may send them. No SDK sender can write them: the test broker is handed the bytes.
 ODD_SECTIONS: dict[str, tuple[bytes, bool]] = {
     # name: (the encoded message, whether the envelope can carry it: delivered, else dead-lettered)
     "application-properties as a list, group-id as a list": (
-        _encoded(_properties(message_id=b"odd-1", group_id=[4, 5]), (APP_PROPERTIES, [1, 2, 3]), GOOD_BODY),
+        _encoded(_properties(message_id=b"odd-1", group_id=[4, 5]), (APP_PROPERTIES, [1, 2, 3]), ODD_BODY),
         False,
     ),
     "message-id, correlation-id and subject as lists and maps": (
-        _encoded(_properties(message_id=[1, 2], correlation_id={"a": 1}, subject=[b"x"]), GOOD_BODY),
+        _encoded(_properties(message_id=[1, 2], correlation_id={"a": 1}, subject=[b"x"]), ODD_BODY),
         True,
     ),
     "content-type and expiry of the wrong types": (
-        _encoded(_properties(content_type=[1], absolute_expiry_time="soon", creation_time=b"x"), GOOD_BODY),
+        _encoded(_properties(content_type=[1], absolute_expiry_time="soon", creation_time=b"x"), ODD_BODY),
         True,
     ),
     "application-property keys that are not strings, values that are maps and lists": (
-        _encoded((APP_PROPERTIES, {1: "int key", b"k": {"nested": [1, 2]}, "list": [None, 1.5]}), GOOD_BODY),
+        _encoded((APP_PROPERTIES, {1: "int key", b"k": {"nested": [1, 2]}, "list": [None, 1.5]}), ODD_BODY),
         True,
     ),
     "an amqp-sequence body": (_encoded((AMQP_SEQUENCE, [1, "two", b"three"])), True),
