@@ -685,6 +685,9 @@ class BrokerCheck:
     lost_ids: dict[str, list[tuple[str, float, float | None]]] = field(default_factory=dict)
     # Per paused watcher, how many of its misses each reason of pause_reason explains.
     missed_while_paused_why: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Per watcher, the broker's message ids (Kafka: topic/partition/offset) of each order it misses,
+    # lost or explained, as its siblings received them: where to look in the triggerers' logs.
+    missing_message_ids: dict[str, dict[str, list[str]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -791,6 +794,7 @@ def check_broker(
     lost_ids: dict[str, list[tuple[str, float, float | None]]] = {}
     missed_paused: dict[str, int] = {}
     missed_why: dict[str, dict[str, int]] = {}
+    missing_ids: dict[str, dict[str, list[str]]] = {}
     siblings_first: dict[str, float] = {}
     message_ids: dict[str, set[str]] = defaultdict(set)
     for watcher, seen in delivered.items():
@@ -804,6 +808,10 @@ def check_broker(
     for watcher, wanted in expected.items():
         got = delivered[watcher].first
         missing = [order_id for order_id in wanted if order_id not in got]
+        if missing:
+            missing_ids[watcher] = {
+                order_id: sorted(message_ids.get(order_id, ())) for order_id in missing[:LOST_IDS_SHOWN]
+            }
         fired: dict[str, float] = {}
         # Only a trigger the watcher no longer runs as can have fired an event Airflow stored for
         # no asset: the newest one is still referenced, and what it fires is stored.
@@ -865,6 +873,7 @@ def check_broker(
         publish_errors=len(publisher.errors),
         lost_ids=lost_ids,
         missed_while_paused_why=missed_why,
+        missing_message_ids=missing_ids,
     )
 
 
@@ -1048,6 +1057,9 @@ def run(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict[st
             result["xcom_files"] = None if xcom_root is None else sum(1 for f in xcom_root.rglob("*") if f.is_file())
             result["publish_errors"] = {b: p.errors[:5] for b, p in publishers.items() if p.errors}
             result["ok"] = all(c.ok for c in checks.values()) and pair_ok and not chaos.errors
+            if not result["ok"]:
+                # The evidence of a failure seen once: the triggerers' lines about the streams.
+                result["triggerer_story"] = logs.story()
     finally:
         for publisher in publishers.values():
             publisher.stop_event.set()

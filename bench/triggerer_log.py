@@ -19,9 +19,11 @@ reads each file from where it stopped.
 from __future__ import annotations
 
 import re
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Final
 
 # "Watcher sqs_orders_eu#0f3a... runs as trigger 21 on a sqs shared stream" (_core/trigger.py)
 _JOIN = re.compile(r"Watcher (?P<watcher>[^\s#]+)#\S* runs as trigger (?P<trigger>\d+) on a")
@@ -40,12 +42,32 @@ def _epoch(stamp: str) -> float:
     return seconds + (float(f"0.{fraction}") if fraction else 0.0)
 
 
+# Lines that tell a stream's story (its watchers joining and leaving, placements and rewinds, what
+# failed): what a failed run prints, so a loss seen once (in CI, say) comes with its evidence.
+_STORY_MARKS: Final = (
+    "runs as trigger",
+    "comes back as trigger",
+    "leaves the stream",
+    "placed",
+    "formed with",
+    "cancelled by user action",
+    "Ack timeout",
+    "overflowed",
+    "poll failed",
+    "[error",
+)
+STORY_LINES: Final = 400
+_STRUCTLOG_TAIL = re.compile(r" dag_id=None .*$")
+
+
 @dataclass
 class TriggererLogs:
     """The triggerers' process logs under ``directory`` (``triggerer*.log``), read incrementally."""
 
     directory: Path
     watcher_of: dict[int, str] = field(default_factory=dict)
+    # The last STORY_LINES lines with a _STORY_MARKS mark, "<file>: <line>" (see story()).
+    _story: deque[str] = field(default_factory=lambda: deque(maxlen=STORY_LINES))
     # trigger id -> message id -> first time (epoch) it fired an event for it
     _fired_by_trigger: dict[int, dict[str, float]] = field(default_factory=dict)
     _offsets: dict[Path, int] = field(default_factory=dict)
@@ -61,6 +83,13 @@ class TriggererLogs:
             self._offsets[path] = start + end
             for line in data[:end].decode("utf-8", "replace").splitlines():
                 self._read(line)
+                if any(mark in line for mark in _STORY_MARKS):
+                    self._story.append(f"{path.stem}: {_STRUCTLOG_TAIL.sub('', line)[:600]}")
+
+    def story(self) -> list[str]:
+        """The stream's story so far (the last STORY_LINES marked lines, in the order read)."""
+        self.refresh()
+        return list(self._story)
 
     def _read(self, line: str) -> None:
         if "runs as trigger" in line:

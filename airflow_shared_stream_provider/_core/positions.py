@@ -36,16 +36,24 @@ the whole unconfirmed backlog behind (found by the production chaos run: a super
 seconds, until their position cannot improve, or until the same watcher joins again here.
 
 A watcher that comes back **re-created** (a trigger id other than the one that wrote its record)
-does not trust that position: it starts from the one it had ``late_join_lookback`` seconds before
-it left (``before_leave`` in the record). Why: Airflow cancels a watcher whose Dag was paused (or
-whose watcher was removed) only after the dag-processor dropped the asset's reference to its
-trigger and the triggerer deleted the trigger row; events the watcher fired meanwhile are "stored"
-by ``Trigger.submit_event`` for no asset at all (a deleted trigger, or one without assets, is
-skipped without an error) and still confirmed persisted, so the position passed messages whose
-events exist nowhere. A trigger row, once deleted, never comes back: the watcher returns (Dag
-unpaused) as a new trigger with a new id. A watcher that only *moved* (another triggerer, a
-graceful restart) keeps its trigger id and its exact position. Found by CI's production chaos run:
-a Dag paused while its watcher worked off a backlog after a broker restart lost 14 orders.
+does not trust that position: it starts from ``earlier`` in the record, where the writer was
+``late_join_lookback`` seconds before it wrote the record (or before it left, for a watcher that
+left by cancellation). Why: Airflow cancels a watcher whose Dag was paused (or whose watcher was
+removed) only after the dag-processor dropped the asset's reference to its trigger and the
+triggerer deleted the trigger row; events the watcher fired meanwhile are "stored" by
+``Trigger.submit_event`` for no asset at all (a deleted trigger, or one without assets, is skipped
+without an error) and still confirmed persisted, so the position passed messages whose events
+exist nowhere. A trigger row, once deleted, never comes back: the watcher returns (Dag unpaused)
+as a new trigger with a new id. A watcher that only *moved* (another triggerer, a graceful
+restart) keeps its trigger id and its exact position. Found by CI's production chaos run: a Dag
+paused while its watcher worked off a backlog after a broker restart lost 14 orders.
+
+Every record carries ``earlier``, not only the one written when the watcher leaves: Airflow's
+triggerer starts the triggers of a state sync before it cancels the ones of the same sync, so a
+Dag paused and unpaused between two syncs brings the new trigger up, reading the record, before
+the old one has left and written where it was (its last periodic write, which may already pass
+what it fired for no asset). Records of an earlier version of this provider carry
+``before_leave`` (written only on leaving), read the same way.
 
 Why in ``_core`` although Kafka is its only broker today: the core itself uses it (every watcher
 joins it in :mod:`.trigger`, keyed by :func:`position_key` of its settings' ``position_scope()``,
@@ -136,9 +144,18 @@ def _parse_positions(positions: Any) -> dict[str, int] | None:
     return parsed
 
 
+# The record's field with where its writer was a lookback earlier; the second name is what
+# records of an earlier version of this provider carry (written only when the watcher left).
+EARLIER_FIELDS: Final = ("earlier", "before_leave")
+
+
+def _earlier_field(record: Mapping[str, Any]) -> str | None:
+    return next((name for name in EARLIER_FIELDS if name in record), None)
+
+
 def recreated(record: Any, trigger_id: int | None) -> bool:
-    """Whether ``record`` was left by another trigger of the same watcher that left by cancellation."""
-    if trigger_id is None or not isinstance(record, Mapping) or "before_leave" not in record:
+    """Whether ``record`` was written by another trigger of the same watcher (its row was deleted)."""
+    if trigger_id is None or not isinstance(record, Mapping) or _earlier_field(record) is None:
         return False
     writer = record.get("trigger")
     return isinstance(writer, int) and not isinstance(writer, bool) and writer != trigger_id
@@ -147,19 +164,18 @@ def recreated(record: Any, trigger_id: int | None) -> bool:
 def parse_record(record: Any, *, trigger_id: int | None = None) -> dict[str, int] | None:
     """
     ``{lane label: position}`` from a stored record for the watcher with ``trigger_id``; None for
-    a missing or unreadable one, and for a re-created watcher whose previous trigger left without
-    a position from before it left (it starts as a watcher without one).
+    a missing or unreadable one, and for a re-created watcher whose previous trigger had no
+    position a lookback earlier (it starts as a watcher without one).
 
-    A record written by another trigger id that carries ``before_leave`` gives that: the watcher
-    was re-created (see the module docstring). Without ``before_leave`` (a record of an older
-    version of this provider, or of a watcher that did not leave by cancellation: a crash, a
-    failure) the positions are taken as they are; so is any record when either id is unknown.
+    A record written by another trigger id gives ``earlier``: the watcher was re-created (see
+    the module docstring). A record without it (a record of a version of this provider older
+    than both fields) is taken as it is; so is any record when either id is unknown.
     """
     if not isinstance(record, Mapping) or record.get("v") != RECORD_VERSION:
         return None
     if recreated(record, trigger_id):
-        before_leave = _parse_positions(record.get("before_leave"))
-        return before_leave or None
+        earlier = _parse_positions(record.get(_earlier_field(record) or ""))
+        return earlier or None
     return _parse_positions(record.get("positions"))
 
 
@@ -227,11 +243,11 @@ class PositionMember:
     # Departed members only: until when they are followed, and their write at leave.
     departed_until: float | None = None
     farewell: asyncio.Task[None] | None = None
-    # Its positions within ``recreated_lookback``: where it was a while ago (``before_leave``, see
+    # Its positions within ``recreated_lookback``: where it was a while ago (``earlier``, see
     # the module docstring).
     history: RecentValues[dict[str, int]] = field(default_factory=RecentValues)
-    # Set when it leaves by cancellation: written with every later record of it ({}: it had no
-    # position that long ago; a re-created watcher then starts as one without a position).
+    # Set when it leaves by cancellation: the ``earlier`` of every later record of it ({}: it had
+    # no position that long ago; a re-created watcher then starts as one without a position).
     before_leave: dict[str, int] | None = None
 
     def positions_before(self, moment: float) -> dict[str, int]:
@@ -316,6 +332,17 @@ class WatcherPositions:
         for task in (member.lookup, member.reread):
             if task is not None and not task.done():
                 task.cancel()
+        if any(other.key == member.key for other in self.members.values()):
+            # The same watcher runs here again already (a re-created trigger started in the sync
+            # that cancels this one): its own writes take over, as in :meth:`join`. A write of
+            # this one now would put a record of the old trigger over the new one's.
+            log.info(
+                "Watcher %s (trigger %s) leaves the stream after the same watcher joined it again: it writes "
+                "no position",
+                member.identity,
+                member.trigger_id,
+            )
+            return
         if member.placed and member.stores and self.positions_of is not None:
             cancelled = _cancelled()
             if cancelled:
@@ -325,6 +352,16 @@ class WatcherPositions:
                 member.departed_until = self.clock() + DEPARTED_TRACKING
                 self.departed[number] = member
             positions = self.positions_of(member)
+            # Once per departure: the evidence a lost message is looked for with.
+            log.info(
+                "Watcher %s (trigger %s) leaves the stream (%s): position %s; %.0f s before it left: %s",
+                member.identity,
+                member.trigger_id,
+                "cancelled" if cancelled else "ended",
+                positions or "none",
+                self.recreated_lookback,
+                member.before_leave if cancelled else "not kept (it did not leave by cancellation)",
+            )
             if positions and (positions != member.written or member.before_leave is not None):
                 task = asyncio.ensure_future(self._write([(member, positions)]))
                 member.farewell = task
@@ -445,8 +482,13 @@ class WatcherPositions:
         record: dict[str, Any] = {"v": RECORD_VERSION, "positions": positions}
         if member.trigger_id is not None:
             record["trigger"] = member.trigger_id
-        if member.before_leave is not None:
-            record["before_leave"] = member.before_leave
+            # Where a re-created watcher starts (see the module docstring): a watcher that left
+            # keeps the value from before it left; a running one, a lookback before now.
+            record["earlier"] = (
+                member.before_leave
+                if member.before_leave is not None
+                else member.positions_before(self.clock() - self.recreated_lookback)
+            )
         _, store = member.stores[0]  # where _read looks (the first of its assets, by name)
         if await write_quietly(store, member.key, record, f"the positions {member.key} of {member.identity}"):
             member.written = positions

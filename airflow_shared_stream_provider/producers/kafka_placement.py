@@ -129,10 +129,12 @@ class WatcherPlacement:
         positions.departures = self
         self.sample_positions(time.monotonic())  # a stream younger than the lookback: its start
         self.log.info(
-            "Kafka shared stream %s placed %d watcher(s): %s",
+            "Kafka shared stream %s placed %d watcher(s): %s; each watcher's first offset where it is "
+            "past the lane's start: %s",
             self.source_label,
             len(members),
             {lane_label(tp): (lane.next_read(), lane.floor) for tp, lane in self.lanes.items()},
+            self.firsts_ahead(members) or "none",
         )
 
     async def place_late(self, consumer: AIOKafkaConsumer) -> None:
@@ -174,14 +176,36 @@ class WatcherPlacement:
         for member in members:
             member.placed = True
         self.log.info(
-            "Kafka shared stream %s placed %d late watcher(s); rewound %s; without a stored position "
+            "Kafka shared stream %s placed %d late watcher(s) %s; rewound %s; without a stored position "
             "(started %.0f s back, late_join_lookback): %s",
             self.source_label,
             len(members),
+            {m.identity: self.firsts(m) for m in members},
             {lane_label(tp): min(late.values()) for tp, late in behind.items()} or "nothing",
             self.lookback,
             unrecorded or "none",
         )
+
+    def firsts(self, member: PositionMember) -> dict[str, int]:
+        """Per lane, the first offset ``member`` receives (its threshold): what the placement logs show."""
+        return {
+            lane_label(tp): lane.thresholds[member.number]
+            for tp, lane in self.lanes.items()
+            if member.number in lane.thresholds
+        }
+
+    def firsts_ahead(self, members: Sequence[PositionMember]) -> dict[str, dict[str, int]]:
+        """:meth:`firsts` of the members that skip part of a lane (their threshold is past its start)."""
+        out: dict[str, dict[str, int]] = {}
+        for member in members:
+            ahead = {
+                lane_label(tp): first
+                for tp, lane in self.lanes.items()
+                if (first := lane.thresholds.get(member.number)) is not None and first > lane.next_read()
+            }
+            if ahead:
+                out[member.identity] = ahead
+        return out
 
     async def offsets_since(
         self,

@@ -28,6 +28,9 @@ def run_and_check(command_line: str) -> dict[str, object]:
     result = run(parse_args(command_line.split()), say=lambda line: print(line, flush=True))
     print(render(result))
     checks = result.get("checks")
+    story = result.get("triggerer_story")
+    if isinstance(story, list):  # a failed run: its evidence first (CI keeps no files)
+        print("the triggerers' story:", *story, sep="\n  ")
     assert isinstance(checks, dict) and checks, result
     for broker, check in checks.items():
         assert check["ok"], f"{broker}: {check}"

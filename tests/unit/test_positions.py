@@ -81,25 +81,87 @@ async def test_a_watcher_without_a_state_store_is_placeable_at_once_and_never_wr
     assert positions._writer is None
 
 
+@pytest.mark.parametrize("field", ["earlier", "before_leave"])  # before_leave: an earlier version's records
 @pytest.mark.parametrize(
     ("reader", "parsed"),
     [
         (7, {"t/0": 50}),  # the trigger that wrote it (a moved watcher): its exact position
         (None, {"t/0": 50}),  # not run by a triggerer: no id to compare
-        (8, {"t/0": 20}),  # re-created (its old row was deleted): the position from before it left
+        (8, {"t/0": 20}),  # re-created (its old row was deleted): where the writer was a lookback earlier
     ],
 )
-def test_a_re_created_watcher_reads_the_position_it_had_before_it_left(
-    reader: int | None, parsed: dict[str, int]
+def test_a_re_created_watcher_reads_the_position_its_writer_had_a_lookback_earlier(
+    field: str, reader: int | None, parsed: dict[str, int]
 ) -> None:
-    record = {"v": 1, "positions": {"t/0": 50}, "trigger": 7, "before_leave": {"t/0": 20}}
+    record = {"v": 1, "positions": {"t/0": 50}, "trigger": 7, field: {"t/0": 20}}
     assert parse_record(record, trigger_id=reader) == parsed
 
 
 def test_a_re_created_watcher_without_an_old_enough_position_starts_as_one_without_a_position() -> None:
-    assert parse_record({"v": 1, "positions": {"t/0": 50}, "trigger": 7, "before_leave": {}}, trigger_id=8) is None
-    # A record without before_leave (a crash, a failure, an older provider): taken as it is.
+    assert parse_record({"v": 1, "positions": {"t/0": 50}, "trigger": 7, "earlier": {}}, trigger_id=8) is None
+    # A record without either field (a version of this provider older than both): taken as it is.
     assert parse_record({"v": 1, "positions": {"t/0": 50}, "trigger": 7}, trigger_id=8) == {"t/0": 50}
+
+
+async def placed_member(positions: WatcherPositions, store: Store, *, trigger_id: int, key: str = "k") -> int:
+    number = positions.join("a#1", key, [("a", store)], trigger_id=trigger_id)
+    await positions.wait_lookups(timeout=1)
+    for member in positions.take_placeable():
+        member.placed = True
+    return number
+
+
+async def settle_writes() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_running_watcher_writes_where_it_was_a_lookback_earlier_with_every_record() -> None:
+    """
+    Airflow starts the triggers of a sync before it cancels those of the same sync: a re-created
+    watcher can read the record of its old trigger while that one still runs (it has not left
+    and written ``earlier`` on leaving), so every periodic record carries it.
+    """
+    now = [1000.0]
+    positions = WatcherPositions(clock=lambda: now[0], recreated_lookback=30.0)
+    store = Store()
+    await placed_member(positions, store, trigger_id=7)
+    lane = {"t/0": 10}
+    positions.positions_of = lambda m: dict(lane)
+    for position in (10, 20, 30, 40, 50):  # one periodic write every 10 s, 1000 .. 1040
+        lane["t/0"] = position
+        positions.schedule_write(positions.positions_of)
+        await settle_writes()
+        now[0] += 10.0
+    # Written at 1040: 30 s before it, at 1010, it was at 20.
+    assert store.values["k"] == {"v": 1, "positions": {"t/0": 50}, "trigger": 7, "earlier": {"t/0": 20}}
+    assert parse_record(store.values["k"], trigger_id=8) == {"t/0": 20}
+
+
+async def test_a_watcher_cancelled_after_its_re_created_trigger_joined_writes_nothing() -> None:
+    """
+    The old trigger leaves after the new one (same watcher, same key) joined here: the new one's
+    writes take over; a farewell of the old one would put its trigger id back on the record.
+    """
+    positions = WatcherPositions()
+    store = Store()
+    old = await placed_member(positions, store, trigger_id=7)
+    positions.positions_of = lambda m: {"t/0": 50}
+    await placed_member(positions, store, trigger_id=8)
+
+    async def cancelled_watcher() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            positions.leave(old)
+
+    task = asyncio.create_task(cancelled_watcher())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await settle_writes()
+    assert "k" not in store.values and not positions.departed
 
 
 async def test_a_cancelled_watcher_writes_where_it_was_a_lookback_before_it_left() -> None:
@@ -132,4 +194,4 @@ async def test_a_cancelled_watcher_writes_where_it_was_a_lookback_before_it_left
     for _ in range(5):
         await asyncio.sleep(0)
     # Left at 1040: 30 s before it, at 1010, it was at 20.
-    assert store.values["k"] == {"v": 1, "positions": {"t/0": 50}, "trigger": 7, "before_leave": {"t/0": 20}}
+    assert store.values["k"] == {"v": 1, "positions": {"t/0": 50}, "trigger": 7, "earlier": {"t/0": 20}}
