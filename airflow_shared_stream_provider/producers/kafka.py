@@ -685,8 +685,10 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             self.log.info("Dropping %d outcomes for %s: partition reassigned since they were read", len(decided), tp)
             return
         dead = [entry for entry in decided if entry.disposition is Disposition.DEAD_LETTER]
-        if dead:
-            await self._dead_letter(dead)
+        # Re-read by a rewind for a late watcher and rejected again: in the DLQ already (Lane.judged).
+        written = [entry for entry in dead if not (lane.judged and entry.delivery.offset in lane.judged)]
+        if written:
+            await self._dead_letter(written)
             # Watchers rejected these (forced), so the base counts them as rejected, not as
             # poison; a record nobody could read is poison all the same (docs/kafka.md).
             unreadable = sum(1 for entry in dead if isinstance(entry.delivery, UndecodableKafkaMessage))
@@ -699,7 +701,10 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
                 lane.settle(delivery.offset)
             elif entry.disposition is Disposition.DEAD_LETTER:
                 lane.settle(delivery.offset)
-                lane.dead_lettered(delivery.offset)
+                message = delivery.message
+                lane.dead_lettered(
+                    delivery.offset, judged=message.forced_rejection is None and bool(message.rejections)
+                )
             elif entry.disposition is Disposition.HOLD:
                 lane.hold(delivery.offset, attempts=delivery.delivery_attempt - 1)  # nobody saw it
                 replay_later = True

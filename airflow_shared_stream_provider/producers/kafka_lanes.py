@@ -56,10 +56,18 @@ class Lane:
     # on it and left comes back behind its siblings and the lane is rewound for it; its count
     # must go on (the poison cap), not restart at 1 on every comeback.
     keep_attempts: bool = False
-    # Watcher positions: offsets dead-lettered in this session. A rewind for a late watcher does not
-    # deliver them again (they are in the DLQ): a watcher that failed on a poison message and comes
-    # back behind it would otherwise fail on it again on every comeback.
+    # Watcher positions: offsets dead-lettered in this session that no watcher can take: unreadable
+    # (a forced rejection) or poison (the cap). A rewind for a late watcher does not deliver them
+    # again (they are in the DLQ): a watcher that failed on a poison message and comes back behind
+    # it would otherwise fail on it again on every comeback.
     dead: set[int] = field(default_factory=set)
+    # Watcher positions: offsets dead-lettered because a watcher's filter rejected them. That is
+    # one watcher's judgement: another one may take the message (a filter on the region fires on
+    # an order the validating watcher rejects). A rewind delivers them again to the late watcher,
+    # which may be such a one, come back re-created after its event for it was stored for no asset
+    # (a paused Dag; found by CI's production chaos run, which lost such an order). Dead-lettered
+    # again, they are settled without a second dead-letter record.
+    judged: set[int] = field(default_factory=set)
     # Watchers that left while placed on this lane (member number -> [threshold, bound]), until
     # their position cannot improve any more (see :meth:`departed_position`). ``bound`` starts at
     # what the lane had read when it left (nothing read later was broadcast to it) and drops to any
@@ -178,13 +186,17 @@ class Lane:
         position = self.position()
         return mark[0] >= mark[1] or (position is not None and position >= mark[1])
 
-    def dead_lettered(self, offset: int) -> None:
-        """Remember a dead-lettered offset (watcher positions only; bounded like the attempt counts)."""
+    def dead_lettered(self, offset: int, *, judged: bool) -> None:
+        """
+        Remember a dead-lettered offset (watcher positions only; bounded like the attempt counts):
+        ``judged``, a watcher's filter rejected it (see :attr:`judged`); else no watcher can take it.
+        """
         if not self.keep_attempts:
             return
-        self.dead.add(offset)
-        if len(self.dead) > MAX_KEPT_ATTEMPTS:
-            self.dead.discard(min(self.dead))
+        kept = self.judged if judged else self.dead
+        kept.add(offset)
+        if len(kept) > MAX_KEPT_ATTEMPTS:
+            kept.discard(min(kept))
 
     def commit_metadata(self) -> str:
         tracked = sorted(self.attempts.items())[:MAX_TRACKED_ATTEMPTS]

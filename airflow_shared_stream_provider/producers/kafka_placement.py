@@ -296,6 +296,7 @@ class WatcherPlacement:
         start = min(thresholds.values())
         rewound = Lane.placed(next_epoch(), start, attempts=dict(lane.attempts), thresholds=thresholds)
         rewound.dead = set(lane.dead)
+        rewound.judged = set(lane.judged)
         for number in lane.departed:
             # What the rewound lane re-reads is broadcast without it: its position here stops
             # where the old lane had it (a mark whose threshold is its bound: settled).

@@ -116,6 +116,23 @@ async def settle_writes() -> None:
         await asyncio.sleep(0)
 
 
+async def leave_by_cancellation(positions: WatcherPositions, number: int) -> None:
+    """Member ``number`` leaves as a cancelled trigger does (in its ``finally``), and its writes land."""
+
+    async def cancelled_watcher() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            positions.leave(number)
+
+    task = asyncio.create_task(cancelled_watcher())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await settle_writes()
+
+
 async def test_a_running_watcher_writes_where_it_was_a_lookback_earlier_with_every_record() -> None:
     """
     Airflow starts the triggers of a sync before it cancels those of the same sync: a re-created
@@ -148,19 +165,7 @@ async def test_a_watcher_cancelled_after_its_re_created_trigger_joined_writes_no
     old = await placed_member(positions, store, trigger_id=7)
     positions.positions_of = lambda m: {"t/0": 50}
     await placed_member(positions, store, trigger_id=8)
-
-    async def cancelled_watcher() -> None:
-        try:
-            await asyncio.sleep(3600)
-        finally:
-            positions.leave(old)
-
-    task = asyncio.create_task(cancelled_watcher())
-    await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    await settle_writes()
+    await leave_by_cancellation(positions, old)
     assert "k" not in store.values and not positions.departed
 
 
@@ -168,10 +173,7 @@ async def test_a_cancelled_watcher_writes_where_it_was_a_lookback_before_it_left
     now = [1000.0]
     positions = WatcherPositions(clock=lambda: now[0], recreated_lookback=30.0)
     store = Store()
-    number = positions.join("a#1", "k", [("a", store)], trigger_id=7)
-    await positions.wait_lookups(timeout=1)
-    [member] = positions.take_placeable()
-    member.placed = True
+    number = await placed_member(positions, store, trigger_id=7)
     lane = {"t/0": 10}
     positions.positions_of = lambda m: dict(lane)
     for position in (10, 20, 30, 40):  # one periodic write every 10 s
@@ -179,19 +181,6 @@ async def test_a_cancelled_watcher_writes_where_it_was_a_lookback_before_it_left
         positions.schedule_write(positions.positions_of)
         now[0] += 10.0
     lane["t/0"] = 50  # confirmed in the syncs that cancel it: maybe stored for no asset
-
-    async def cancelled_watcher() -> None:
-        try:
-            await asyncio.sleep(3600)
-        finally:
-            positions.leave(number)
-
-    task = asyncio.create_task(cancelled_watcher())
-    await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    for _ in range(5):
-        await asyncio.sleep(0)
+    await leave_by_cancellation(positions, number)
     # Left at 1040: 30 s before it, at 1010, it was at 20.
     assert store.values["k"] == {"v": 1, "positions": {"t/0": 50}, "trigger": 7, "earlier": {"t/0": 20}}
