@@ -691,7 +691,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             await self._dead_letter(written)
             # Watchers rejected these (forced), so the base counts them as rejected, not as
             # poison; a record nobody could read is poison all the same (docs/kafka.md).
-            unreadable = sum(1 for entry in dead if isinstance(entry.delivery, UndecodableKafkaMessage))
+            unreadable = sum(1 for entry in written if isinstance(entry.delivery, UndecodableKafkaMessage))
             if unreadable:
                 self.counters.add("poison", unreadable)
         replay_now = replay_later = False

@@ -134,7 +134,7 @@ class WatcherPlacement:
             self.source_label,
             len(members),
             {lane_label(tp): (lane.next_read(), lane.floor) for tp, lane in self.lanes.items()},
-            self.firsts_ahead(members) or "none",
+            {m.identity: ahead for m in members if (ahead := self.firsts(m, ahead_only=True))} or "none",
         )
 
     async def place_late(self, consumer: AIOKafkaConsumer) -> None:
@@ -186,26 +186,17 @@ class WatcherPlacement:
             unrecorded or "none",
         )
 
-    def firsts(self, member: PositionMember) -> dict[str, int]:
-        """Per lane, the first offset ``member`` receives (its threshold): what the placement logs show."""
+    def firsts(self, member: PositionMember, *, ahead_only: bool = False) -> dict[str, int]:
+        """
+        Per lane, the first offset ``member`` receives (its threshold): what the placement logs
+        show; ``ahead_only``: only lanes where it skips part of what the lane reads (past its start).
+        """
         return {
-            lane_label(tp): lane.thresholds[member.number]
+            lane_label(tp): first
             for tp, lane in self.lanes.items()
-            if member.number in lane.thresholds
+            if (first := lane.thresholds.get(member.number)) is not None
+            and (not ahead_only or first > lane.next_read())
         }
-
-    def firsts_ahead(self, members: Sequence[PositionMember]) -> dict[str, dict[str, int]]:
-        """:meth:`firsts` of the members that skip part of a lane (their threshold is past its start)."""
-        out: dict[str, dict[str, int]] = {}
-        for member in members:
-            ahead = {
-                lane_label(tp): first
-                for tp, lane in self.lanes.items()
-                if (first := lane.thresholds.get(member.number)) is not None and first > lane.next_read()
-            }
-            if ahead:
-                out[member.identity] = ahead
-        return out
 
     async def offsets_since(
         self,

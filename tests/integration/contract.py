@@ -269,7 +269,7 @@ class ContractSuite:
             runner.add(1, adapter.make_trigger(filter_function="tests.integration.contract.reject_flagged"))
             runner.add(2, adapter.make_trigger())
             await wait_until_settled(adapter, timeout=self.settle_timeout)
-            await wait_until_async(lambda: _count_at_least(adapter, 3), timeout=self.settle_timeout)
+            await wait_until_async(lambda: dead_lettered_at_least(adapter, 3), timeout=self.settle_timeout)
         assert sorted(await adapter.dead_lettered()) == sorted(bad)
         assert sorted(p["body"]["order_id"] for p in runner.persisted[1]) == list(range(6))
         assert runner.count(2) == 9  # the other watcher fired on every message before the reject won
@@ -281,7 +281,7 @@ class ContractSuite:
         async with RunnerSim(manager, confirm_interval=0.05) as runner:
             runner.add(1, adapter.make_trigger(max_payload_bytes=2048))
             await wait_until_settled(adapter, timeout=self.settle_timeout)
-            await wait_until_async(lambda: _count_at_least(adapter, 1), timeout=self.settle_timeout)
+            await wait_until_async(lambda: dead_lettered_at_least(adapter, 1), timeout=self.settle_timeout)
         assert await adapter.dead_lettered() == [huge]
         assert runner.count(1) == 1
 
@@ -322,7 +322,7 @@ class ContractSuite:
             runner.add(1, adapter.make_trigger(filter_function="tests.integration.contract.reject_flagged", **options))
             runner.add(2, adapter.make_trigger(**options))
             await wait_until_settled(adapter, timeout=self.settle_timeout)
-            await wait_until_async(lambda: _count_at_least(adapter, 2), timeout=self.settle_timeout)
+            await wait_until_async(lambda: dead_lettered_at_least(adapter, 2), timeout=self.settle_timeout)
         assert sorted(await adapter.dead_lettered()) == sorted(bad)
         assert sorted(e["body"]["order_id"] for e in batched(runner, 1)) == list(range(6))
         assert len(batched(runner, 2)) == 8
@@ -350,7 +350,8 @@ def pending_messages(runner: RunnerSim) -> int:
     return sum(len(item.event.payload["messages"]) for item in runner.pending)
 
 
-async def _count_at_least(adapter: BrokerAdapter, count: int) -> bool:
+async def dead_lettered_at_least(adapter: BrokerAdapter, count: int) -> bool:
+    """Whether ``adapter``'s dead-letter destination holds ``count`` messages or more (a wait's predicate)."""
     return len(await adapter.dead_lettered()) >= count
 
 

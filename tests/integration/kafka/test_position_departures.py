@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -25,13 +26,11 @@ from airflow.triggers.shared_stream import SharedStreamManager
 
 from airflow_shared_stream_provider._core.cohort import identity_of
 from airflow_shared_stream_provider._core.positions import position_key
-from airflow_shared_stream_provider.triggers.kafka import KafkaSharedStreamTrigger
 from devkit.runner import RunnerSim, wait_until
-from tests.integration.contract import orders, wait_until_async
+from tests.integration.contract import dead_lettered_at_least, orders, wait_until_async
 
 from .conftest import KafkaAdapter
 from .test_watcher_positions import (
-    Accessors,
     MemoryStateStore,
     expected_ids,
     publish_round,
@@ -289,22 +288,20 @@ async def test_a_re_created_watcher_gets_again_what_a_siblings_filter_dead_lette
     lookback = 6.0
     monkeypatch.setenv("AIRFLOW__SHARED_STREAM_PROVIDER__LATE_JOIN_LOOKBACK", str(lookback))
     stores = {name: MemoryStateStore() for name in ("v", "w")}
-
-    def validator() -> KafkaSharedStreamTrigger:
-        trigger = adapter.make_trigger(filter_function="tests.integration.contract.reject_flagged")
-        trigger.asset_state_store = Accessors("v", stores["v"])  # type: ignore[assignment]
-        return trigger
-
-    def everything(trigger_id: int) -> KafkaSharedStreamTrigger:
-        trigger = adapter.make_trigger()
-        trigger.asset_state_store = Accessors("w", stores["w"])  # type: ignore[assignment]
-        return trigger
-
+    validator = functools.partial(
+        watcher,
+        adapter,
+        "v",
+        stores["v"],
+        dlq_topic=adapter.dlq_topic,
+        filter_function="tests.integration.contract.reject_flagged",
+    )
+    everything = functools.partial(watcher, adapter, "w", stores["w"], dlq_topic=adapter.dlq_topic)
     await adapter.publish(orders(6))  # two per partition (offsets 0 and 1); round 2: offsets 2 and 3
     round_1, round_2 = expected_ids(adapter, 0, 2), expected_ids(adapter, 2, 4)
     async with RunnerSim(SharedStreamManager()) as runner:
         runner.add(1, validator())
-        runner.add(2, everything(2))
+        runner.add(2, everything())
         async with persisting(runner):
             await wait_until(lambda: set(runner.message_ids(2)) == round_1, timeout=60, what="round 1 stored")
             await asyncio.sleep(lookback + 1.0)  # w's position after round 1 is older than the lookback
@@ -312,18 +309,14 @@ async def test_a_re_created_watcher_gets_again_what_a_siblings_filter_dead_lette
             flagged = [json.dumps({"order_id": 100 + i, "region": "eu", "bad": True}).encode() for i in range(3)]
             await adapter.publish([*flagged, *orders(3)])
             await wait_until(lambda: runner.dropped[2] == 6, timeout=30, what="w's round 2 dropped")
-            await wait_until_async(lambda: dead_letters(adapter, 3), timeout=30)
+            await wait_until_async(lambda: dead_lettered_at_least(adapter, 3), timeout=30)
             await asyncio.sleep(1.0)  # w's position passes round 2 (its events were "confirmed")
             await runner.remove(2)
             await asyncio.sleep(1.0)  # its farewell write
-            runner.add(3, everything(3))  # unpaused: a new trigger
+            runner.add(3, everything())  # unpaused: a new trigger
             await wait_until(lambda: set(runner.message_ids(3)) >= round_2, timeout=30, what="w has round 2 again")
             await asyncio.sleep(1.0)
         print(f"\nRE-CREATED, a sibling's rejections: {sorted(runner.message_ids(3))}")
         assert set(runner.message_ids(3)) == round_2  # the three flagged ones among them
         assert len(await adapter.dead_lettered()) == 3  # each flagged one dead-lettered once
         assert not runner.failures
-
-
-async def dead_letters(adapter: KafkaAdapter, count: int) -> bool:
-    return len(await adapter.dead_lettered()) >= count

@@ -69,7 +69,8 @@ def _fast_position_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def watcher(adapter: KafkaAdapter, asset: str, store: MemoryStateStore, **kwargs: Any) -> KafkaSharedStreamTrigger:
-    trigger = adapter.make_trigger(dlq_topic=None, **kwargs)
+    """A watcher of ``asset`` whose state store is ``store``; no dead-letter topic unless ``kwargs`` name one."""
+    trigger = adapter.make_trigger(**{"dlq_topic": None, **kwargs})
     trigger.asset_state_store = Accessors(asset, store)  # type: ignore[assignment]
     return trigger
 
