@@ -760,7 +760,7 @@ def pause_reason(
 
     Kafka (``replays``) replays all of those for a watcher that comes back re-created, the
     messages published while it was away included, so there nothing explains a miss: it is a
-    loss. (Until stop 38 the publish window excused one there; the misses it excused were the
+    loss. (Until 2026-11-28 the publish window excused one there; the misses it excused were the
     loss of finding 12 in docs/production.md.)
     """
     if replays:

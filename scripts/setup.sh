@@ -48,8 +48,8 @@ fi
   -e ".[all]" --group dev
 # uv's cache keeps a new revision of an sdist-only package, built wheel and unpacked tree included,
 # each time it cannot revalidate the index's answer: PySpark costs 1.4 GB a fresh install. A machine
-# that runs many fresh clones (CI, fresh-clone-ci) filled its disk that way (stop 38's CI: "No space
-# left on device" while building PySpark, 74 GiB of stale revisions). Prune what no cache entry
+# that runs many fresh clones (CI, fresh-clone-ci) filled its disk that way (a CI run of 2026-11-28:
+# "No space left on device" while building PySpark, 74 GiB of stale revisions). Prune what no cache entry
 # points at any more: never what this install uses, so a re-run stays offline-fast.
 "$VENV/bin/uv" cache prune --quiet || echo "setup: warning: uv cache prune failed (the cache may grow)" >&2
 

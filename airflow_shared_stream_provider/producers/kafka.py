@@ -686,7 +686,7 @@ class KafkaSharedStreamProducer(SharedStreamProducerBase[KafkaStreamSettings, Ka
             return
         dead = [entry for entry in decided if entry.disposition is Disposition.DEAD_LETTER]
         # Re-read by a rewind for a late watcher and rejected again: in the DLQ already (Lane.judged).
-        written = [entry for entry in dead if not (lane.judged and entry.delivery.offset in lane.judged)]
+        written = [entry for entry in dead if entry.delivery.offset not in lane.judged]
         if written:
             await self._dead_letter(written)
             # Watchers rejected these (forced), so the base counts them as rejected, not as

@@ -55,19 +55,29 @@ def test_a_lane_names_who_skips_only_below_its_floor() -> None:
     assert Lane(epoch=1).position() is None
 
 
+async def placed_member(positions: WatcherPositions, store: Store, *, trigger_id: int | None = None) -> int:
+    """Watcher ``a#1`` (key ``k``, stored in ``store``) joins and is placed; returns its member number."""
+    number = positions.join("a#1", "k", [("a", store)], trigger_id=trigger_id)
+    await positions.wait_lookups(timeout=1)
+    for member in positions.take_placeable():
+        member.placed = True
+    return number
+
+
+async def settle_writes() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
 async def test_a_leaving_watcher_stores_the_position_it_had_when_it_left() -> None:
     positions = WatcherPositions()
     store = Store()
-    number = positions.join("a#1", "k", [("a", store)])
-    await positions.wait_lookups(timeout=1)
-    [member] = positions.take_placeable()
-    member.placed = True
+    number = await placed_member(positions, store)
     now = {"t/0": 7}
     positions.positions_of = lambda m: dict(now)
     positions.leave(number)
     now["t/0"] = 99  # the lane moves on without it: must not be what is stored
-    for _ in range(5):
-        await asyncio.sleep(0)
+    await settle_writes()
     assert store.values["k"] == {"v": 1, "positions": {"t/0": 7}}
 
 
@@ -101,19 +111,6 @@ def test_a_re_created_watcher_without_an_old_enough_position_starts_as_one_witho
     assert parse_record({"v": 1, "positions": {"t/0": 50}, "trigger": 7, "earlier": {}}, trigger_id=8) is None
     # A record without either field (a version of this provider older than both): taken as it is.
     assert parse_record({"v": 1, "positions": {"t/0": 50}, "trigger": 7}, trigger_id=8) == {"t/0": 50}
-
-
-async def placed_member(positions: WatcherPositions, store: Store, *, trigger_id: int, key: str = "k") -> int:
-    number = positions.join("a#1", key, [("a", store)], trigger_id=trigger_id)
-    await positions.wait_lookups(timeout=1)
-    for member in positions.take_placeable():
-        member.placed = True
-    return number
-
-
-async def settle_writes() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 async def leave_by_cancellation(positions: WatcherPositions, number: int) -> None:
